@@ -1,0 +1,109 @@
+"""Running an agent over tasks: the one loop that training, validation and evaluation share."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agents.llm import ChatModel
+from agents.trajectory import Trajectory
+
+
+class Agent(Protocol):
+    async def run(self, task: dict[str, Any], llm: ChatModel) -> Trajectory: ...
+
+
+Reward = Callable[[dict[str, Any], Trajectory], float]
+
+
+@dataclass
+class Rollout:
+    """A task, what the agent did with it, and the score it got."""
+
+    task: dict[str, Any]
+    trajectory: Trajectory
+    reward: float
+    error: str | None
+
+    def record(self) -> dict[str, Any]:
+        """The line written to `records.jsonl` / `samples/*.jsonl`."""
+        return {
+            "id": self.task.get("id"),
+            "question": self.task.get("question"),
+            "db_id": self.task.get("db_id"),
+            "gold": self.task.get("query"),
+            "final_sql": self.trajectory.final_sql,
+            "answer": self.trajectory.answer,
+            "reward": self.reward,
+            "turns": self.trajectory.turns,
+            "error": self.error,
+            "messages": self.trajectory.messages,
+        }
+
+
+async def run_rollouts(
+    agent: Agent,
+    tasks: Sequence[dict[str, Any]],
+    chat_for: Callable[[int], ChatModel],
+    reward: Reward,
+    *,
+    concurrency: int | None = None,
+    on_finished: Callable[[int], None] | None = None,
+) -> list[Rollout]:
+    """Run `agent` on every task (at most `concurrency` at once) and score each; one failure never stops the rest."""
+    semaphore = asyncio.Semaphore(concurrency or len(tasks) or 1)
+
+    async def one(index: int, task: dict[str, Any]) -> Rollout:
+        async with semaphore:
+            try:
+                trajectory = await agent.run(task, chat_for(index))
+            except Exception as exc:
+                trajectory = Trajectory(error=f"{type(exc).__name__}: {exc}")
+            finally:
+                if on_finished is not None:
+                    on_finished(index)
+        error = trajectory.error
+        try:
+            score = float(reward(task, trajectory))
+        except Exception as exc:
+            score, error = 0.0, error or f"reward failed: {type(exc).__name__}: {exc}"
+        return Rollout(task=task, trajectory=trajectory, reward=score, error=error)
+
+    return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+
+@dataclass
+class EvalSummary:
+    accuracy: float
+    n: int
+    errors: int
+    mean_turns: float
+    wall_s: float
+
+    @classmethod
+    def of(cls, rollouts: Sequence[Rollout], wall_s: float) -> EvalSummary:
+        n = len(rollouts)
+        return cls(
+            accuracy=sum(r.reward for r in rollouts) / n if n else 0.0,
+            n=n,
+            errors=sum(r.error is not None for r in rollouts),
+            mean_turns=sum(r.trajectory.turns for r in rollouts) / n if n else 0.0,
+            wall_s=wall_s,
+        )
+
+
+async def evaluate(
+    agent: Agent,
+    tasks: Sequence[dict[str, Any]],
+    chat_for: Callable[[int], ChatModel],
+    metric: Reward,
+    *,
+    concurrency: int | None = None,
+    on_finished: Callable[[int], None] | None = None,
+) -> tuple[EvalSummary, list[Rollout]]:
+    start = time.monotonic()
+    rollouts = await run_rollouts(agent, tasks, chat_for, metric, concurrency=concurrency, on_finished=on_finished)
+    return EvalSummary.of(rollouts, time.monotonic() - start), rollouts

@@ -1,0 +1,99 @@
+"""The SQL tool every agent and reward uses: read-only, one statement, bounded in time, rows and characters.
+
+A bad query never raises and never changes the database: it comes back as a `SQLResult` with `error` set, which the
+agent sees as tool text.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+# Authorizer actions that a read-only query tool must never perform, even on a read-only connection.
+_DENIED_ACTIONS = {sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH, sqlite3.SQLITE_PRAGMA}
+_PROGRESS_EVERY_N_OPS = 1000
+
+
+@dataclass(frozen=True)
+class SQLResult:
+    """Outcome of one statement: rows on success, an error message otherwise."""
+
+    columns: list[str] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)
+    error: str | None = None
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_text(self, max_chars: int = 2000) -> str:
+        """Render for the agent: an error line, or the rows as Python tuples, cut at `max_chars`."""
+        if self.error is not None:
+            return f"Error: {self.error}"
+        text = "\n".join(str(row) for row in self.rows) if self.rows else "(no rows)"
+        if self.truncated:
+            text += "\n... (more rows not shown)"
+        if len(text) > max_chars:
+            text = text[:max_chars] + "\n... (output truncated)"
+        return text
+
+
+def _authorizer(action: int, *_args: object) -> int:
+    return sqlite3.SQLITE_DENY if action in _DENIED_ACTIONS else sqlite3.SQLITE_OK
+
+
+def connect_read_only(db_path: str | Path) -> sqlite3.Connection:
+    """Open `db_path` so that nothing done through the connection can modify the file."""
+    path = Path(db_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"database not found: {path}")
+    conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, check_same_thread=False)
+    conn.execute("PRAGMA query_only = ON")
+    conn.set_authorizer(_authorizer)
+    return conn
+
+
+def run_query(
+    db_path: str | Path,
+    sql: str,
+    *,
+    timeout_s: float = 2.0,
+    max_rows: int = 1000,
+) -> SQLResult:
+    """Execute one read-only statement on `db_path` with a time limit enforced inside SQLite."""
+    try:
+        conn = connect_read_only(db_path)
+    except (FileNotFoundError, sqlite3.Error) as exc:
+        return SQLResult(error=str(exc))
+    deadline = time.monotonic() + timeout_s
+    # Returning non-zero from the progress handler makes SQLite abort the running statement ("interrupted").
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_EVERY_N_OPS)
+    try:
+        cursor = conn.execute(sql)
+        rows = cursor.fetchmany(max_rows + 1)
+        columns = [d[0] for d in cursor.description or []]
+    except sqlite3.OperationalError as exc:
+        message = f"query exceeded the time limit of {timeout_s:g} s" if time.monotonic() > deadline else str(exc)
+        return SQLResult(error=message)
+    except (sqlite3.Error, ValueError, OverflowError) as exc:
+        return SQLResult(error=str(exc))
+    finally:
+        conn.close()
+    return SQLResult(columns=columns, rows=rows[:max_rows], truncated=len(rows) > max_rows)
+
+
+def schema_text(db_path: str | Path) -> str:
+    """The database's CREATE TABLE statements, as the agent sees the schema."""
+    conn = connect_read_only(db_path)
+    try:
+        statements = conn.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND sql IS NOT NULL AND name NOT LIKE 'sqlite_%' "
+            "ORDER BY rowid"
+        ).fetchall()
+    finally:
+        conn.close()
+    return "\n\n".join(s for (s,) in statements)

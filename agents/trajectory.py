@@ -1,0 +1,25 @@
+"""What one agent rollout produces, whatever agent or backend ran it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agents.llm import Message
+
+
+@dataclass
+class Trajectory:
+    """The conversation an agent had, its final SQL (or answer), and how its tool calls went."""
+
+    messages: list[Message] = field(default_factory=list)
+    final_sql: str | None = None
+    answer: str | None = None
+    turns: int = 0
+    executions: int = 0
+    execution_errors: int = 0
+    last_execution_ok: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

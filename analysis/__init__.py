@@ -1,0 +1,1 @@
+"""Reading run directories back: status, tables, reports."""

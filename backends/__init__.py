@@ -1,0 +1,1 @@
+"""Training backends: each turns agent rollouts and rewards into policy updates (`conf/backend/*.yaml`)."""

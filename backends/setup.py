@@ -1,0 +1,26 @@
+"""Everything a training backend receives, already built from the config and validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agents.rollout import Agent, Reward
+from backends.algorithm import GRPO
+from data.spider import SpiderData
+from experiments.run_dir import RunDir
+from models.finetune import Full, LoRA
+from models.hub import HubModel
+
+
+@dataclass
+class TrainSetup:
+    model: HubModel
+    finetune: Full | LoRA
+    algorithm: GRPO
+    agent: Agent
+    reward: Reward
+    data: SpiderData
+    warmstart: Any
+    seed: int
+    run: RunDir

@@ -1,0 +1,187 @@
+"""The embedded backend: TRL's GRPOTrainer (+ PEFT) in one process, CPU or one GPU (`conf/backend/trl.yaml`).
+
+    data -> [warm-start SFT] -> validate -> GRPOTrainer(rollout_func = agent on the policy server) -> validate
+
+Checkpoints go to `<run>/checkpoints/checkpoint-<step>` (TRL's own, resumable); a run started again in the same
+directory resumes from the latest one, and `metrics.jsonl` keeps each step once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+from trl import GRPOConfig, GRPOTrainer
+
+from backends.policy_server import PolicyServer
+from backends.setup import TrainSetup
+from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
+from backends.trl.sft import SFTWarmstart
+from rewards.exec_match import ExecMatch
+
+# TRL log keys that are not per-step training metrics (end-of-training totals).
+_NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
+
+
+@dataclass
+class TRLBackend:
+    name: str = "trl"
+    device: str = "auto"
+    samples_per_validation: int = 4
+    gradient_checkpointing: bool = False
+    batch_wait_s: float = 0.02
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def train(self, setup: TrainSetup) -> dict[str, Any]:
+        run, algo = setup.run, setup.algorithm
+        device = self.resolved_device()
+        random.seed(setup.seed)
+        torch.manual_seed(setup.seed)
+        train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
+        metric = ExecMatch()
+        resume_from = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
+        sft_dir = run.checkpoints / "sft"
+        warm = isinstance(setup.warmstart, SFTWarmstart)
+        demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed) if warm else []
+
+        corpus = [m["content"] for conv in demos for m in conv] or [t["query"] for t in train_tasks]
+        corpus += [m["content"] for t in val_tasks for m in setup.agent.first_messages(t)]
+        source = setup.model.prepare(corpus)
+        tokenizer = setup.model.load_tokenizer(source)
+        results: dict[str, Any] = {"device": device, "train_tasks": len(train_tasks), "val_tasks": len(val_tasks)}
+
+        def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
+            """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
+            server = self._server(model, tokenizer, setup)
+            summary, rollouts = validate_policy(setup.agent, val_tasks, server, metric)
+            run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
+            results[f"val_{name}"] = vars(summary)
+            return {f"val/{k}": v for k, v in vars(summary).items()}
+
+        sft_done = warm and (sft_dir / "config.json").is_file()
+        model = setup.model.load_model(str(sft_dir) if sft_done else source, device)
+        if resume_from is None:
+            run.metrics_file.unlink(missing_ok=True)
+            if warm and not sft_done:
+                validation(model, "initial")
+                start = time.monotonic()
+                model = setup.warmstart.train(
+                    model, tokenizer, demos, sft_dir, run.path / "sft_metrics.jsonl", setup.seed, device == "cuda"
+                )
+                results["sft"] = {"demonstrations": len(demos), "wall_s": time.monotonic() - start}
+            run.log(0, validation(model, "after_sft" if warm else "initial"))
+        else:
+            run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
+
+        server = self._server(model, tokenizer, setup)
+        rollout_func = AgentRollouts(
+            setup.agent,
+            setup.reward,
+            server,
+            {"temperature": algo.temperature},
+            algo.max_response_length,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[_passthrough_reward(setup.reward.name)],
+            args=self._grpo_config(setup, device),
+            train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in train_tasks]),
+            processing_class=tokenizer,
+            peft_config=setup.finetune.peft_config(),
+            rollout_func=rollout_func,
+            callbacks=[_StepLog(setup, rollout_func, validation)],
+        )
+        start = time.monotonic()
+        trainer.train(resume_from_checkpoint=resume_from)
+        results["grpo"] = {"steps": trainer.state.global_step, "wall_s": time.monotonic() - start}
+        trainer.save_model(str(run.checkpoints / "final"))
+        tokenizer.save_pretrained(str(run.checkpoints / "final"))
+        return results
+
+    def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:
+        algo = setup.algorithm
+        return PolicyServer(
+            model,
+            tokenizer,
+            max_prompt_tokens=algo.max_prompt_length,
+            max_response_tokens=algo.max_response_length,
+            batch_wait_s=self.batch_wait_s,
+        )
+
+    def _grpo_config(self, setup: TrainSetup, device: str) -> GRPOConfig:
+        algo = setup.algorithm
+        return GRPOConfig(
+            output_dir=str(setup.run.checkpoints),
+            seed=setup.seed,
+            learning_rate=algo.learning_rate,
+            num_generations=algo.group_size,
+            per_device_train_batch_size=algo.micro_batch_size,
+            gradient_accumulation_steps=algo.gradient_accumulation_steps,
+            generation_batch_size=algo.batch_size,
+            max_completion_length=algo.max_response_length,
+            temperature=algo.temperature,
+            beta=algo.kl_coef,
+            epsilon=algo.clip_ratio,
+            epsilon_high=algo.clip_ratio_high,
+            loss_type=algo.loss_type,
+            num_train_epochs=algo.epochs,
+            max_steps=algo.max_steps,
+            max_grad_norm=algo.max_grad_norm,
+            save_strategy="steps",
+            save_steps=algo.save_every,
+            logging_steps=1,
+            report_to=[],
+            bf16=device == "cuda",
+            gradient_checkpointing=self.gradient_checkpointing,
+            use_cpu=device == "cpu",
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            log_completions=False,
+        )
+
+
+def _passthrough_reward(name: str) -> Any:
+    """TRL reward function returning the reward the rollout already computed (named after the reward, for logs)."""
+
+    def reward(prompts: list[Any], completions: list[Any], rollout_reward: list[float], **_: Any) -> list[float]:
+        return list(rollout_reward)
+
+    reward.__name__ = name
+    return reward
+
+
+class _StepLog(TrainerCallback):
+    """Writes TRL's per-step logs and the rollouts' stats to metrics.jsonl; validates every `val_every` steps."""
+
+    def __init__(self, setup: TrainSetup, rollouts: AgentRollouts, validate: Any) -> None:
+        self.setup = setup
+        self.rollouts = rollouts
+        self.validate = validate
+        self.val_metrics: dict[str, float] = {}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        step = state.global_step
+        if step % self.setup.algorithm.val_every == 0 or step == state.max_steps:
+            self.val_metrics = self.validate(model, "final" if step == state.max_steps else f"step{step}")
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if not logs or "reward" not in logs:
+            return
+        metrics = {
+            ("train/reward_mean" if k == "reward" else f"train/{k}"): v
+            for k, v in logs.items()
+            if k not in _NOT_STEP_METRICS
+        }
+        self.setup.run.log(state.global_step, metrics | self.rollouts.last_stats | self.val_metrics)
+        self.val_metrics = {}

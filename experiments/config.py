@@ -1,0 +1,74 @@
+"""From a composed config to built components, failing before any model loads with the bad key named.
+
+Each group's `_target_` is a dataclass (or a function, for `job`). Its fields are the group's schema: unknown keys and
+wrong types are rejected by OmegaConf, ranges by the dataclass's `__post_init__`, and what spans groups here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+COMPONENT_GROUPS = ("model", "finetune", "algorithm", "agent", "reward", "data", "backend", "warmstart")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message starts with the key."""
+
+
+def check_schema(group: str, node: DictConfig) -> None:
+    """Reject keys the group's dataclass does not have and values of the wrong type."""
+    target = node.get("_target_")
+    if target is None:
+        raise ConfigError(f"{group}._target_ is missing")
+    try:
+        cls = get_class(target)
+    except Exception as exc:
+        raise ConfigError(f"{group}._target_={target} cannot be imported: {exc}") from exc
+    if not dataclasses.is_dataclass(cls):
+        return
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(node.keys()) - fields - {"_target_"})
+    if unknown:
+        raise ConfigError(f"{group}.{unknown[0]} is not a key of {target} (known: {', '.join(sorted(fields))})")
+    values = OmegaConf.to_container(node, resolve=True)
+    del values["_target_"]
+    try:
+        OmegaConf.merge(OmegaConf.structured(cls), values)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or ""
+        raise ConfigError(f"{group}.{key}: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+
+
+def build_components(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate every component group, then check what spans groups."""
+    built: dict[str, Any] = {}
+    for group in COMPONENT_GROUPS:
+        node = cfg.get(group)
+        if not node:  # an empty option, such as warmstart=none
+            built[group] = None
+            continue
+        check_schema(group, node)
+        try:
+            built[group] = instantiate(node, _convert_="all")
+        except InstantiationException as exc:
+            cause = exc.__cause__ or exc
+            message = str(cause)
+            raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
+    check_cross_group(built)
+    return built
+
+
+def check_cross_group(built: dict[str, Any]) -> None:
+    model, algo = built["model"], built["algorithm"]
+    total = algo.max_prompt_length + algo.max_response_length
+    if total > model.context_length:
+        raise ConfigError(
+            f"algorithm.max_response_length={algo.max_response_length}: with algorithm.max_prompt_length="
+            f"{algo.max_prompt_length} it needs {total} tokens, more than model.context_length={model.context_length}"
+        )

@@ -1,0 +1,56 @@
+"""What every job shares: its run directory, config validation, and a `summary.json` whatever happens."""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_method
+from omegaconf import DictConfig
+
+from experiments.run_dir import RunDir, git_commit
+
+Job = Callable[[DictConfig, RunDir], dict[str, Any]]
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """Hydra's output directory for this run (one per run, also in a sweep)."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.paths.output_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def overrides_of() -> list[str]:
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any]:
+    """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
+    run = RunDir(run_dir_of(cfg))
+    job: Job = get_method(cfg.job._target_)
+    base = {"job": cfg.job.name, "run_dir": str(run.path), "git_commit": git_commit(), "overrides": overrides_of()}
+    start = time.monotonic()
+    try:
+        results = job(cfg, run)
+    except BaseException as exc:
+        run.write_summary(
+            base
+            | {
+                "status": "failed",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+                "wall_s": time.monotonic() - start,
+            }
+        )
+        print(f"run directory: {run.path}\nstatus: failed: {type(exc).__name__}: {exc}", flush=True)
+        raise
+    summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
+    run.write_summary(summary)
+    print(f"run directory: {run.path}", flush=True)
+    print(json.dumps(summary, indent=2, default=str), flush=True)
+    return summary

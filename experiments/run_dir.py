@@ -1,0 +1,73 @@
+"""The run directory, the one thing analysis reads: `.hydra/`, `metrics.jsonl`, `summary.json`, `checkpoints/`,
+`samples/`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    """Writes a run's metrics, samples and summary. `metrics.jsonl` holds one object per step, `step` first."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.checkpoints = self.path / "checkpoints"
+        self.samples = self.path / "samples"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        line = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.metrics_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_file.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_file.read_text(encoding="utf-8").splitlines() if line]
+
+    def drop_metrics_after(self, step: int) -> None:
+        """On resume from a checkpoint at `step`: forget what was logged after it, so no step appears twice."""
+        kept = [m for m in self.metrics() if m["step"] <= step]
+        self.metrics_file.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+
+    def write_samples(self, name: str, records: list[dict[str, Any]]) -> None:
+        self.samples.mkdir(parents=True, exist_ok=True)
+        with (self.samples / f"{name}.jsonl").open("w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.summary_file.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
+        tmp.replace(self.summary_file)
+
+
+def git_commit(repo: Path | None = None) -> str | None:
+    """The commit the code ran at (with `-dirty` when the tree had changes), or None outside a git checkout."""
+    cwd = repo or Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=cwd, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("-dirty" if dirty.strip() else "")

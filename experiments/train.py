@@ -1,0 +1,32 @@
+"""job=train: build the components from the config and hand them to the selected backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from backends.setup import TrainSetup
+from experiments.config import build_components
+from experiments.run_dir import RunDir
+
+
+def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    parts = build_components(cfg)
+    setup = TrainSetup(
+        model=parts["model"],
+        finetune=parts["finetune"],
+        algorithm=parts["algorithm"],
+        agent=parts["agent"],
+        reward=parts["reward"],
+        data=parts["data"],
+        warmstart=parts["warmstart"],
+        seed=cfg.seed,
+        run=run_dir,
+    )
+    results = parts["backend"].train(setup)
+    steps = [m for m in run_dir.metrics() if "train/reward_mean" in m]
+    return results | {
+        "steps": len(steps),
+        "reward_per_step": [round(m["train/reward_mean"], 4) for m in steps],
+    }

@@ -1,0 +1,1 @@
+"""Policies: where a model's weights and tokenizer come from, and how it is fine-tuned."""

@@ -1,0 +1,49 @@
+"""How the policy's weights are trained: all of them, or a LoRA adapter (`conf/finetune/*.yaml`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peft import LoraConfig
+
+
+@dataclass
+class Full:
+    """Full fine-tuning: every weight is trained."""
+
+    name: str = "full"
+
+    def peft_config(self) -> None:
+        return None
+
+
+@dataclass
+class LoRA:
+    """A LoRA adapter on `target_modules` (PEFT)."""
+
+    name: str = "lora"
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ValueError(f"finetune.rank must be > 0, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"finetune.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"finetune.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("finetune.target_modules must not be empty")
+
+    def peft_config(self) -> LoraConfig:
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            task_type="CAUSAL_LM",
+        )

@@ -1,0 +1,66 @@
+"""A model from the Hugging Face hub or a local directory (`conf/model/*.yaml`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class HubModel:
+    """A pretrained causal LM. `path` (a local directory) wins over `hub_id`; HF_HUB_OFFLINE=1 fetches nothing."""
+
+    name: str
+    hub_id: str | None
+    path: str | None
+    context_length: int
+    tool_call_format: str
+    dtype: str = "auto"
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if not (self.hub_id or self.path):
+            raise ValueError("model.hub_id or model.path must be set")
+        if self.context_length <= 0:
+            raise ValueError(f"model.context_length must be > 0, got {self.context_length}")
+
+    @property
+    def source(self) -> str:
+        return self.path or str(self.hub_id)
+
+    def check_available(self) -> None:
+        """Fail early, naming `model.path`, when a local path was given but does not exist."""
+        if self.path and not Path(self.path).exists():
+            raise FileNotFoundError(f"model.path={self.path} does not exist")
+
+    def prepare(self, corpus_texts: list[str]) -> str:
+        """Make the weights available locally if needed; returns what `from_pretrained` should load."""
+        del corpus_texts  # pretrained models bring their own tokenizer
+        self.check_available()
+        return self.source
+
+    def load_tokenizer(self, source: str) -> PreTrainedTokenizerBase:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=_offline())
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+    def load_model(self, source: str, device: str) -> PreTrainedModel:
+        dtype = _resolve_dtype(self.dtype, device)
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=self.attn_implementation, local_files_only=_offline()
+        ).to(device)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)

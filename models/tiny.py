@@ -1,0 +1,114 @@
+"""A tiny random-init Qwen3 model with a byte-level BPE tokenizer trained locally: the CPU stand-in for a real policy.
+
+Built on first use into `cache_dir` (no network), keyed by its architecture and the text its tokenizer was trained
+on, and loaded like any local checkpoint afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from models.hub import HubModel
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BUILD_VERSION = 1
+
+
+def qwen_chat_template() -> str:
+    """Qwen2.5's chat template, as shipped inside TRL (TRL recognises it for assistant-only loss and tool parsing)."""
+    return resources.files("trl").joinpath("chat_templates/qwen2_5.jinja").read_text(encoding="utf-8")
+
+
+def train_tokenizer(corpus_texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with digits split one by one, so numbers in SQL and results tokenize uniformly."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+    )
+    fast.chat_template = qwen_chat_template()
+    return fast
+
+
+@dataclass
+class TinyModel(HubModel):
+    """A Qwen3-architecture model small enough to train on 2 CPU cores in minutes."""
+
+    cache_dir: str = ".cache/models"
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.context_length <= 0:
+            raise ValueError(f"model.context_length must be > 0, got {self.context_length}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("model.hidden_size must be divisible by model.num_attention_heads")
+
+    def build_dir(self, corpus_texts: list[str]) -> Path:
+        arch = {k: v for k, v in asdict(self).items() if k not in ("name", "path", "cache_dir", "dtype")}
+        digest = hashlib.sha256(json.dumps([BUILD_VERSION, arch, corpus_texts], sort_keys=True).encode()).hexdigest()
+        return Path(self.cache_dir) / f"tiny-qwen3-{digest[:12]}"
+
+    def prepare(self, corpus_texts: list[str]) -> str:
+        """Use `model.path` if given; otherwise build (once) from `corpus_texts` and return the build directory."""
+        if self.path:
+            self.check_available()
+            return self.path
+        target = self.build_dir(corpus_texts)
+        if not (target / "config.json").is_file():
+            self.build(target, corpus_texts)
+        return str(target)
+
+    def build(self, target: Path, corpus_texts: list[str]) -> None:
+        tokenizer = train_tokenizer(corpus_texts, self.vocab_size)
+        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        config = Qwen3Config(
+            vocab_size=len(tokenizer),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.hidden_size // self.num_attention_heads,
+            max_position_embeddings=self.context_length,
+            tie_word_embeddings=True,
+            eos_token_id=im_end,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        )
+        torch.manual_seed(self.init_seed)
+        model = Qwen3ForCausalLM(config)
+        model.generation_config = GenerationConfig(eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # built concurrently by another run: keep theirs
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Rewards: `(task, trajectory) -> float` (`conf/reward/*.yaml`)."""

@@ -1,0 +1,104 @@
+"""Tests for the deterministic Spider-layout mini dataset generator (data/spider_mini.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from data import spider_mini
+
+N_TRAIN, N_DEV = 300, 50
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return spider_mini.generate(tmp_path_factory.mktemp("mini") / "spider_mini", seed=0, n_train=N_TRAIN, n_dev=N_DEV)
+
+
+def _load(root: Path, name: str) -> list[dict]:
+    return json.loads((root / name).read_text(encoding="utf-8"))
+
+
+def test_layout(dataset: Path) -> None:
+    for name in ("train_spider.json", "dev.json", "tables.json"):
+        assert (dataset / name).is_file()
+    tables = _load(dataset, "tables.json")
+    db_ids = [t["db_id"] for t in tables]
+    assert len(db_ids) == 3 and len(set(db_ids)) == 3
+    for t in tables:
+        db_dir = dataset / "database" / t["db_id"]
+        assert (db_dir / f"{t['db_id']}.sqlite").is_file()
+        schema = (db_dir / "schema.sql").read_text(encoding="utf-8")
+        assert schema.count("CREATE TABLE") == len(t["table_names_original"])
+        assert "PRIMARY KEY" in schema and "FOREIGN KEY" in schema
+        cols = t["column_names_original"]
+        assert cols[0] == [-1, "*"]
+        assert len(t["column_types"]) == len(cols)
+        assert t["primary_keys"] and t["foreign_keys"]
+        for child, parent in t["foreign_keys"]:
+            assert cols[child][0] != cols[parent][0]
+
+
+def test_records(dataset: Path) -> None:
+    train, dev = _load(dataset, "train_spider.json"), _load(dataset, "dev.json")
+    assert 0 < len(train) <= N_TRAIN
+    assert 0 < len(dev) <= N_DEV
+    db_ids = {t["db_id"] for t in _load(dataset, "tables.json")}
+    for rec in train + dev:
+        assert {"db_id", "question", "query"} <= rec.keys()
+        assert rec["db_id"] in db_ids and rec["question"] and rec["query"].startswith("SELECT ")
+    assert len({(r["db_id"], r["question"]) for r in train}) == len(train)  # no duplicates
+
+
+def test_gold_queries_execute(dataset: Path) -> None:
+    records = _load(dataset, "train_spider.json") + _load(dataset, "dev.json")
+    non_empty = 0
+    for rec in records:
+        path = dataset / "database" / rec["db_id"] / f"{rec['db_id']}.sqlite"
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            rows = conn.execute(rec["query"]).fetchall()
+        finally:
+            conn.close()
+        non_empty += bool(rows) and rows != [(0,)]
+    assert non_empty >= 0.9 * len(records)
+
+
+def test_deterministic_and_idempotent(tmp_path: Path, dataset: Path) -> None:
+    other = spider_mini.generate(tmp_path / "again", seed=0, n_train=N_TRAIN, n_dev=N_DEV)
+    for name in ("train_spider.json", "dev.json", "tables.json"):
+        assert (other / name).read_bytes() == (dataset / name).read_bytes()
+    different = spider_mini.generate(tmp_path / "seed1", seed=1, n_train=N_TRAIN, n_dev=N_DEV)
+    assert (different / "train_spider.json").read_bytes() != (dataset / "train_spider.json").read_bytes()
+
+    mtimes = {p: p.stat().st_mtime_ns for p in other.rglob("*")}
+    assert spider_mini.generate(other, seed=0, n_train=N_TRAIN, n_dev=N_DEV) == other
+    assert {p: p.stat().st_mtime_ns for p in other.rglob("*")} == mtimes
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp dirs left behind
+
+    # different parameters rewrite the directory
+    spider_mini.generate(other, seed=0, n_train=20, n_dev=5)
+    assert len(_load(other, "train_spider.json")) <= 20
+
+
+def test_refuses_to_replace_foreign_dir(tmp_path: Path) -> None:
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        spider_mini.generate(tmp_path / "mine", n_train=10, n_dev=5)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_dev_is_held_out(dataset: Path) -> None:
+    train, dev = _load(dataset, "train_spider.json"), _load(dataset, "dev.json")
+    train_questions = {r["question"] for r in train}
+    assert not [r["question"] for r in dev if r["question"] in train_questions]
+
+    train_text = "\n".join(train_questions)
+    named = [m.group(1) for r in dev if (m := re.search(r"named (.+)\?$", r["question"]))]
+    unseen = [name for name in named if name not in train_text]
+    assert unseen, "expected some dev questions about entities never mentioned in train"
