@@ -66,6 +66,7 @@ class SpiderSQLAgent:
     check_prompt: str
     rewrite_prompt: str
     no_query_text: str
+    schema_style: str = "sql"
     schema_max_chars: int = 2000
     result_max_chars: int = 1000
     result_max_rows: int = 20
@@ -75,6 +76,8 @@ class SpiderSQLAgent:
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}")
+        if self.schema_style not in ("sql", "compact"):
+            raise ValueError(f"agent.schema_style must be 'sql' or 'compact', got {self.schema_style!r}")
 
     @cached_property
     def graph(self) -> Any:
@@ -92,7 +95,7 @@ class SpiderSQLAgent:
 
     def first_messages(self, task: dict[str, Any]) -> list[Message]:
         """The conversation the agent opens with: system prompt and the question with the schema."""
-        schema = schema_text(task["db_path"])[: self.schema_max_chars]
+        schema = schema_text(task["db_path"], self.schema_style)[: self.schema_max_chars]
         user = self.write_prompt.format(dialect=self.dialect, schema=schema, question=task["question"])
         system = self.system_prompt.format(dialect=self.dialect)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]

@@ -73,8 +73,7 @@ class TRLBackend:
         model = setup.model.load_model(str(sft_dir) if sft_done else source, device)
         if resume_from is None:
             run.metrics_file.unlink(missing_ok=True)
-            if warm and not sft_done:
-                validation(model, "initial")
+            if warm and not sft_done:  # a model that needs a warm start scores 0 before it: not worth validating
                 start = time.monotonic()
                 model = setup.warmstart.train(
                     model, tokenizer, demos, sft_dir, run.path / "sft_metrics.jsonl", setup.seed, device == "cuda"
@@ -83,6 +82,7 @@ class TRLBackend:
             run.log(0, validation(model, "after_sft" if warm else "initial"))
         else:
             run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
+            results["resumed_from"] = Path(resume_from).name
 
         server = self._server(model, tokenizer, setup)
         rollout_func = AgentRollouts(

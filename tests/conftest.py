@@ -1,0 +1,41 @@
+"""Shared fixtures: one generated dataset and one tiny model per test session, and a launcher for real runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A GRPO run small enough for a test (conf/experiment/smoke.yaml): 5 SFT steps, 2 tasks x 2 rollouts, 2 steps.
+FAST_RUN = ["experiment=smoke"]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache (generated data, built tiny models) for the whole session."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def spider_mini_dir(cache_dir: Path) -> Path:
+    from data import spider_mini
+
+    return spider_mini.generate(cache_dir / "spider_mini", seed=0, n_train=120, n_dev=8)
+
+
+def launch(args: list[str], cache: Path, output: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """Run `python launch.py ARGS` as a user would, offline, with its own cache and output directories."""
+    env = os.environ | {"ARL_CACHE_DIR": str(cache), "ARL_OUTPUT_DIR": str(output), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "launch.py", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

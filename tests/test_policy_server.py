@@ -1,0 +1,116 @@
+"""The policy server: OpenAI-compatible, batches concurrent rollouts, records token ids that chain across turns."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+
+from agents.llm import OpenAIChat
+from backends.policy_server import PolicyServer
+from backends.trl.rollouts import flatten
+from models.tiny import TinyModel
+
+CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    spec = TinyModel(
+        name="tiny",
+        hub_id=None,
+        path=None,
+        context_length=512,
+        tool_call_format="hermes",
+        cache_dir=str(tmp_path_factory.mktemp("models")),
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+    )
+    source = spec.prepare(CORPUS)
+    return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
+
+
+def server_for(tiny, **kwargs) -> PolicyServer:
+    model, tokenizer = tiny
+    settings = {"max_prompt_tokens": 128, "max_response_tokens": 96} | kwargs
+    return PolicyServer(model, tokenizer, **settings)
+
+
+async def two_turns(chat: OpenAIChat) -> list[str]:
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi"}]
+    first = await chat.chat(messages)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "What is in the table?"}]
+    return [first, await chat.chat(messages)]
+
+
+def test_turns_chain_into_one_sequence_with_added_text_masked(tiny) -> None:
+    server = server_for(tiny)
+    chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 8})
+    asyncio.run(two_turns(chat))
+    first, second = server.pop_records("r0")
+    assert second.reused_prefix == len(first.prompt_ids) + len(first.completion_ids)
+    assert second.prompt_ids[: second.reused_prefix] == first.prompt_ids + first.completion_ids
+
+    sample = flatten([first, second], max_completion_tokens=1000, pad_id=server.tokenizer.pad_token_id)
+    assert sample.continuous and sample.prompt_ids == first.prompt_ids
+    assert len(sample.completion_ids) == len(sample.env_mask)
+    added = [t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 0]
+    added_text = server.tokenizer.decode(added)
+    assert "What is in the table?" in added_text and "<|im_start|>user" in added_text
+    model_tokens = [t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 1]
+    assert model_tokens == first.completion_ids + second.completion_ids
+
+
+def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
+    server = server_for(tiny)
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(8)]
+
+    async def run_all() -> None:
+        with server.active_rollouts(len(chats)):
+
+            async def one(chat: OpenAIChat) -> None:
+                try:
+                    await two_turns(chat)
+                finally:
+                    server.rollout_finished()
+
+            await asyncio.gather(*(one(c) for c in chats))
+
+    asyncio.run(run_all())
+    assert server.generate_calls == 2
+    assert all(len(server.pop_records(f"r{i}")) == 2 for i in range(8))
+
+
+def test_a_spent_response_budget_ends_the_rollout_with_length(tiny) -> None:
+    server = server_for(tiny, max_response_tokens=8)
+    chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 8})
+    asyncio.run(two_turns(chat))
+    first, second = server.pop_records("r0")
+    assert len(first.completion_ids) <= 8
+    assert second.completion_ids == [] and second.finish_reason == "length"
+
+
+def test_too_long_a_prompt_is_a_clear_400(tiny) -> None:
+    server = server_for(tiny, max_prompt_tokens=4)
+    chat = server.chat_model("r0", {"temperature": 0.0})
+    with pytest.raises(openai.BadRequestError, match="longer than the limit of 4"):
+        asyncio.run(chat.chat([{"role": "user", "content": "What is in the table?"}]))
+
+
+def test_flatten_stops_at_a_call_that_does_not_continue(tiny, tmp_path: Path) -> None:
+    server = server_for(tiny)
+    chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 4})
+
+    async def restart() -> None:
+        await chat.chat([{"role": "user", "content": "Hi"}])
+        await chat.chat([{"role": "user", "content": "Something else entirely"}])
+
+    asyncio.run(restart())
+    calls = server.pop_records("r0")
+    assert calls[1].reused_prefix == 0
+    sample = flatten(calls, max_completion_tokens=1000, pad_id=0)
+    assert not sample.continuous and sample.completion_ids == calls[0].completion_ids

@@ -1,0 +1,76 @@
+"""The SQL tool: read-only, one statement, time-limited; errors come back as text."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.sql_tool import run_query, schema_text
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    path = tmp_path / "t.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(
+        "CREATE TABLE people (id INTEGER PRIMARY KEY, name TEXT, age INTEGER);"
+        "INSERT INTO people (name, age) VALUES ('Ann', 31), ('Bob', 45), ('Cid', 27);"
+    )
+    conn.commit()
+    conn.close()
+    return path
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_select_returns_rows(db: Path) -> None:
+    result = run_query(db, "SELECT name FROM people WHERE age > 30 ORDER BY name")
+    assert result.ok and result.rows == [("Ann",), ("Bob",)] and result.columns == ["name"]
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "DROP TABLE people",
+        "DELETE FROM people",
+        "UPDATE people SET age = 0",
+        "INSERT INTO people (name, age) VALUES ('Eve', 1)",
+        "ATTACH DATABASE ':memory:' AS other",
+        "PRAGMA writable_schema = ON",
+        "SELECT 1; DROP TABLE people",
+        "SELEC name FROM people",
+    ],
+)
+def test_bad_statements_are_errors_and_change_nothing(db: Path, sql: str) -> None:
+    before = digest(db)
+    result = run_query(db, sql)
+    assert not result.ok and result.to_text().startswith("Error: ")
+    assert digest(db) == before
+
+
+def test_runaway_query_is_stopped_within_its_limit(db: Path) -> None:
+    sql = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+    start = time.monotonic()
+    result = run_query(db, sql, timeout_s=0.5)
+    assert time.monotonic() - start < 2.0
+    assert not result.ok and "time limit" in (result.error or "")
+
+
+def test_rows_and_characters_are_capped(db: Path) -> None:
+    result = run_query(db, "SELECT * FROM people, people AS b, people AS c", max_rows=5)
+    assert len(result.rows) == 5 and result.truncated
+    assert len(result.to_text(max_chars=40)) < 80
+
+
+def test_missing_database_is_an_error(tmp_path: Path) -> None:
+    assert not run_query(tmp_path / "nope.sqlite", "SELECT 1").ok
+
+
+def test_schema_text_lists_create_statements(db: Path) -> None:
+    assert schema_text(db).startswith("CREATE TABLE people")

@@ -1,0 +1,66 @@
+"""GRPO end to end on CPU through launch.py: metrics, checkpoints, resume, LoRA, a sweep."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tests.conftest import FAST_RUN, launch
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*FAST_RUN, "algorithm.max_steps=3", f"hydra.run.dir={run_dir}"]
+    result = launch(args, cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"run directory: {run_dir}" in result.stdout
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3 and len(summary["reward_per_step"]) == 3
+    assert {"val_after_sft", "val_final", "sft", "grpo"} <= summary.keys()
+
+    metrics = metrics_of(run_dir)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert "val/accuracy" in metrics[0] and "val/accuracy" in metrics[-1]
+    assert all("train/reward_mean" in m and "rollout/turns_mean" in m for m in metrics[1:])
+    for step in (1, 2, 3):
+        assert (run_dir / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").is_file()
+    assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
+    sample = json.loads((run_dir / "samples" / "val_final.jsonl").read_text().splitlines()[0])
+    assert {"question", "final_sql", "reward", "messages"} <= sample.keys()
+
+    # A crash after step 2: the last checkpoint and everything after it are gone. Running again resumes.
+    shutil.rmtree(run_dir / "checkpoints" / "checkpoint-3")
+    shutil.rmtree(run_dir / "checkpoints" / "final")
+    result = launch(args, cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["resumed_from"] == "checkpoint-2" and resumed["steps"] == 3
+    again = metrics_of(run_dir)
+    assert [m["step"] for m in again] == [0, 1, 2, 3]
+    assert again[:3] == metrics[:3]  # steps before the checkpoint are kept as they were, not re-run
+    state = json.loads((run_dir / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+
+
+def test_grpo_with_lora_saves_an_adapter(cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch([*FAST_RUN, "finetune=lora", "finetune.rank=8", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_two_seed_sweep_gives_one_run_directory_each(cache_dir: Path, tmp_path: Path) -> None:
+    result = launch(["-m", "model=tiny", "seed=0,1", *FAST_RUN], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = sorted((tmp_path / "sweeps").glob("*/*/summary.json"))
+    assert [p.parent.name for p in summaries] == ["0", "1"]
+    loaded = [json.loads(p.read_text()) for p in summaries]
+    assert all(s["status"] == "completed" for s in loaded)
+    assert ["seed=0" in s["overrides"] for s in loaded] == [True, False]
