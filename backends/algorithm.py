@@ -20,6 +20,7 @@ class GRPO:
     temperature: float = 1.0
     max_prompt_length: int = 2048
     max_response_length: int = 1024
+    max_tokens_per_turn: int | None = None
     epochs: float = 1.0
     max_steps: int = -1
     save_every: int = 50
@@ -38,6 +39,11 @@ class GRPO:
                 f"algorithm.micro_batch_size={self.micro_batch_size} must divide the step's batch of "
                 f"tasks_per_step x group_size = {self.batch_size} sequences"
             )
+        if self.max_tokens_per_turn is not None and not 0 < self.max_tokens_per_turn <= self.max_response_length:
+            raise ValueError(
+                f"algorithm.max_tokens_per_turn must be in (0, max_response_length={self.max_response_length}], "
+                f"got {self.max_tokens_per_turn}"
+            )
         if self.learning_rate <= 0:
             raise ValueError(f"algorithm.learning_rate must be > 0, got {self.learning_rate}")
         if self.kl_coef < 0 or self.clip_ratio <= 0:
@@ -49,6 +55,13 @@ class GRPO:
     def batch_size(self) -> int:
         """Sequences per optimizer step."""
         return self.tasks_per_step * self.group_size
+
+    def sampling(self, temperature: float) -> dict[str, float | int]:
+        """What each LLM call of a rollout asks for."""
+        params: dict[str, float | int] = {"temperature": temperature}
+        if self.max_tokens_per_turn is not None:
+            params["max_tokens"] = self.max_tokens_per_turn
+        return params
 
     @property
     def gradient_accumulation_steps(self) -> int:

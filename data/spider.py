@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from data import spider_mini
+from rewards.exec_match import ExecMatch
 
 SPLIT_FILES = {
     "train": ("train_spider.json", "train_spider.parquet"),
@@ -77,6 +78,10 @@ class SpiderData:
         if self.generate is not None:
             spider_mini.generate(self.spider_dir, **self.generate)
         return Path(self.spider_dir)
+
+    def metric(self) -> ExecMatch:
+        """Spider's validation metric: execution accuracy."""
+        return ExecMatch()
 
     def train_tasks(self) -> list[dict[str, Any]]:
         return load_split(self.prepare(), self.train_split)

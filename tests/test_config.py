@@ -51,9 +51,9 @@ def test_model_path_overrides_the_hub_id(tmp_path: Path) -> None:
 
 
 def test_values_used_twice_are_written_once() -> None:
-    cfg = compose_with("agent.sql_timeout_s=7", "algorithm.max_prompt_length=300")
+    cfg = compose_with("agent.sql_timeout_s=7", "paths.cache_dir=/elsewhere")
     assert cfg.reward.timeout_s == 7
-    assert cfg.warmstart.max_length == 300
+    assert cfg.model.cache_dir == "/elsewhere/models" and cfg.data.spider_dir == "/elsewhere/spider_mini"
 
 
 def test_tiny_selects_its_warm_start_and_cpu_sizes_but_real_models_do_not() -> None:

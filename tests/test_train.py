@@ -28,6 +28,7 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert "val/accuracy" in metrics[0] and "val/accuracy" in metrics[-1]
     assert all("train/reward_mean" in m and "rollout/turns_mean" in m for m in metrics[1:])
+    assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # write + check at least: multi-turn samples
     for step in (1, 2, 3):
         assert (run_dir / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").is_file()
     assert (run_dir / "checkpoints" / "final" / "config.json").is_file()

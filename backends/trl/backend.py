@@ -24,7 +24,6 @@ from backends.policy_server import PolicyServer
 from backends.setup import TrainSetup
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart
-from rewards.exec_match import ExecMatch
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -49,7 +48,7 @@ class TRLBackend:
         random.seed(setup.seed)
         torch.manual_seed(setup.seed)
         train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
-        metric = ExecMatch()
+        metric = setup.data.metric()
         resume_from = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
         sft_dir = run.checkpoints / "sft"
         warm = isinstance(setup.warmstart, SFTWarmstart)
@@ -64,7 +63,7 @@ class TRLBackend:
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
             server = self._server(model, tokenizer, setup)
-            summary, rollouts = validate_policy(setup.agent, val_tasks, server, metric)
+            summary, rollouts = validate_policy(setup.agent, val_tasks, server, metric, algo.sampling(0.0))
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
             results[f"val_{name}"] = vars(summary)
             return {f"val/{k}": v for k, v in vars(summary).items()}
@@ -76,7 +75,14 @@ class TRLBackend:
             if warm and not sft_done:  # a model that needs a warm start scores 0 before it: not worth validating
                 start = time.monotonic()
                 model = setup.warmstart.train(
-                    model, tokenizer, demos, sft_dir, run.path / "sft_metrics.jsonl", setup.seed, device == "cuda"
+                    model,
+                    tokenizer,
+                    demos,
+                    sft_dir,
+                    run.path / "sft_metrics.jsonl",
+                    setup.seed,
+                    use_bf16=device == "cuda",
+                    max_length=algo.max_prompt_length + algo.max_response_length,
                 )
                 results["sft"] = {"demonstrations": len(demos), "wall_s": time.monotonic() - start}
             run.log(0, validation(model, "after_sft" if warm else "initial"))
@@ -89,7 +95,7 @@ class TRLBackend:
             setup.agent,
             setup.reward,
             server,
-            {"temperature": algo.temperature},
+            algo.sampling(algo.temperature),
             algo.max_response_length,
         )
         trainer = GRPOTrainer(

@@ -126,9 +126,10 @@ def validate_policy(
     tasks: list[dict[str, Any]],
     server: PolicyServer,
     metric: Reward,
+    sampling: dict[str, Any],
 ) -> tuple[EvalSummary, list[Rollout]]:
-    """Greedy evaluation of the server's current model on `tasks`, all rollouts batched together."""
-    chats = [server.chat_model(f"val{i}", {"temperature": 0.0}) for i in range(len(tasks))]
+    """Evaluation of the server's current model on `tasks` (greedy when `sampling` says so), all batched together."""
+    chats = [server.chat_model(f"val{i}", sampling) for i in range(len(tasks))]
 
     async def go() -> tuple[EvalSummary, list[Rollout]]:
         with server.active_rollouts(len(tasks)):

@@ -30,7 +30,6 @@ class SFTWarmstart:
     learning_rate: float = 2e-3
     batch_size: int = 32
     warmup_ratio: float = 0.05
-    max_length: int = 1024
     rewrite_demo_fraction: float = 0.2
     write_reply: str = "```sql\n{query}\n```"
     correct_reply: str = "THE QUERY IS CORRECT"
@@ -81,8 +80,9 @@ class SFTWarmstart:
         log_file: Path,
         seed: int,
         use_bf16: bool,
+        max_length: int,
     ) -> PreTrainedModel:
-        """Fine-tune `model` on the assistant turns of `demos`; saves it to `output_dir` and returns it."""
+        """Fine-tune `model` on the assistant turns of `demos` (cut at `max_length` tokens); save it to `output_dir`."""
         args = SFTConfig(
             output_dir=str(output_dir),
             max_steps=self.steps,
@@ -91,7 +91,8 @@ class SFTWarmstart:
             lr_scheduler_type="cosine",
             warmup_steps=max(1, int(self.warmup_ratio * self.steps)),
             assistant_only_loss=True,
-            max_length=self.max_length,
+            gradient_checkpointing=False,  # TRL turns it on by default; on CPU it only costs time
+            max_length=max_length,
             logging_steps=10,
             save_strategy="no",
             report_to=[],
