@@ -24,11 +24,16 @@ def compose_with(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
+# Options that need a model other than the default tiny one (whose context is 1024 tokens).
+NEEDS_MODEL = {("algorithm", "grpo"): "model=qwen7b"}
+
+
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_builds(group: str, option: str, spider_mini_dir: Path) -> None:
-    cfg = compose_with(f"{group}={option}")
+    overrides = [f"{group}={option}", *([NEEDS_MODEL[group, option]] if (group, option) in NEEDS_MODEL else [])]
+    cfg = compose_with(*overrides)
     if cfg.data.name == "spider":  # the real Spider is not here: its loader reads the generated set in its layout
-        cfg = compose_with(f"{group}={option}", f"data.spider_dir={spider_mini_dir}")
+        cfg = compose_with(*overrides, f"data.spider_dir={spider_mini_dir}")
     built = build_components(cfg)
     if group in built:
         assert (built[group] is None) == (option == "none")
@@ -67,7 +72,7 @@ def test_tiny_selects_its_warm_start_and_cpu_sizes_but_real_models_do_not() -> N
     [
         (["finetune=lora", "finetune.rank=0"], "finetune.rank"),
         (["finetune=lora", "finetune.rank=-4"], "finetune.rank"),
-        (["finetune=lora", "finetune.rnak=8"], "finetune.rnak"),
+        (["finetune=lora", "+finetune.rnak=8"], "finetune.rnak"),
         (["algorithm.max_response_length=4096"], "algorithm.max_response_length"),
         (["algorithm.micro_batch_size=5"], "algorithm.micro_batch_size"),
         (["algorithm.group_size=abc"], "algorithm.group_size"),
@@ -82,6 +87,11 @@ def test_bad_values_name_their_key(overrides: list[str], key: str) -> None:
     with pytest.raises((ConfigError, FileNotFoundError), match=key.replace(".", r"\.")):
         parts = build_components(cfg)
         parts["model"].check_available()
+
+
+def test_a_mistyped_key_fails_at_composition() -> None:
+    with pytest.raises(Exception, match=r"finetune\.rnak"):
+        compose_with("finetune=lora", "finetune.rnak=8")
 
 
 def test_launch_fails_fast_on_a_bad_value_and_records_it(tmp_path: Path) -> None:

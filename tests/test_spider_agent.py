@@ -40,7 +40,7 @@ def test_the_last_verdict_wins() -> None:
 
 
 def test_correct_check_ends_after_one_turn(task: dict) -> None:
-    agent = agent_from_config()
+    agent = agent_from_config("agent.check_step=true")
     chat = ScriptedChat([f"```sql\n{task['query']}\n```", "THE QUERY IS CORRECT"])
     trajectory = asyncio.run(agent.run(task, chat))
     assert trajectory.error is None and trajectory.turns == 1 and trajectory.final_sql == task["query"]
@@ -49,7 +49,7 @@ def test_correct_check_ends_after_one_turn(task: dict) -> None:
 
 
 def test_incorrect_check_rewrites_until_max_turns(task: dict) -> None:
-    agent = agent_from_config("agent.max_turns=2")
+    agent = agent_from_config("agent.check_step=true", "agent.max_turns=2")
     replies = ["```sql\nSELECT nope\n```", "THE QUERY IS INCORRECT", "```sql\nSELECT 2\n```", "THE QUERY IS INCORRECT"]
     chat = ScriptedChat(replies)
     trajectory = asyncio.run(agent.run(task, chat))
