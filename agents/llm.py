@@ -6,6 +6,7 @@ Agents only see the `ChatModel` protocol. The trainer's in-process policy server
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -46,6 +47,52 @@ class OpenAIChat:
     async def chat(self, messages: list[Message]) -> str:
         response = await self.client.chat.completions.create(model=self.model, messages=messages, **self.sampling)
         return response.choices[0].message.content or ""
+
+
+@dataclass
+class Endpoint:
+    """An OpenAI-compatible server to evaluate against (`conf/endpoint/*.yaml`). The API key is read from the
+    environment variable named by `api_key_env`, never from the config."""
+
+    base_url: str
+    model: str | None
+    api_key_env: str = "OPENAI_API_KEY"
+    concurrency: int = 8
+    limit: int | None = None
+    temperature: float = 0.0
+    max_tokens: int = 512
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency <= 0:
+            raise ValueError(f"endpoint.concurrency must be > 0, got {self.concurrency}")
+        if self.limit is not None and self.limit <= 0:
+            raise ValueError(f"endpoint.limit must be > 0, got {self.limit}")
+
+    @property
+    def api_key(self) -> str:
+        return os.environ.get(self.api_key_env, "EMPTY")
+
+    def check_reachable(self) -> str:
+        """Fail with a clear message unless the server answers `GET /models`; returns the model to use."""
+        url = self.base_url.rstrip("/") + "/models"
+        try:
+            response = httpx.get(url, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=10.0)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"endpoint.base_url={self.base_url} is not reachable ({url}: {exc})") from exc
+        served = [m.get("id") for m in response.json().get("data", [])]
+        if self.model is None:
+            if len(served) != 1:
+                raise ValueError(f"endpoint.model is not set and the server serves {served}: name one")
+            return str(served[0])
+        return self.model
+
+    def chat(self, model: str) -> OpenAIChat:
+        sampling = {"temperature": self.temperature, "max_tokens": self.max_tokens}
+        return OpenAIChat.connect(
+            self.base_url, model, api_key=self.api_key, sampling=sampling, timeout_s=self.timeout_s
+        )
 
 
 @dataclass

@@ -1,0 +1,36 @@
+"""job=eval: the agent over the validation split against any OpenAI-compatible endpoint.
+
+Writes `eval/summary.json` (accuracy, n, errors, mean_turns, wall_s) and `eval/records.jsonl` (one line per task).
+A rollout that fails is recorded with its error and reward 0; the others go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict
+from typing import Any
+
+from omegaconf import DictConfig
+
+from agents.rollout import evaluate
+from experiments.config import build_components
+from experiments.run_dir import RunDir
+
+
+def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    parts = build_components(cfg)
+    endpoint, data = parts["endpoint"], parts["data"]
+    model = endpoint.check_reachable()  # before any task starts
+    tasks = data.val_tasks()[: endpoint.limit] if endpoint.limit else data.val_tasks()
+    chats = [endpoint.chat(model) for _ in tasks]
+    summary, rollouts = asyncio.run(
+        evaluate(parts["agent"], tasks, lambda i: chats[i], data.metric(), concurrency=endpoint.concurrency)
+    )
+    out = run_dir.path / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2), encoding="utf-8")
+    with (out / "records.jsonl").open("w", encoding="utf-8") as f:
+        for rollout in rollouts:
+            f.write(json.dumps(rollout.record(), ensure_ascii=False) + "\n")
+    return {"eval": asdict(summary), "endpoint": {"base_url": endpoint.base_url, "model": model}}

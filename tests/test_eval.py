@@ -1,0 +1,99 @@
+"""job=eval against a scripted OpenAI-compatible server on loopback."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, HTTPException
+
+from tests.conftest import launch
+
+FAILING_QUESTION_INDEX = 1  # the server answers this dev question with HTTP 500
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scripted_server(gold: dict[str, str]) -> FastAPI:
+    """Answers each question with its gold SQL (or 500 for one of them), like a perfect model behind vLLM."""
+    app = FastAPI()
+    failing = list(gold)[FAILING_QUESTION_INDEX]
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    def complete(body: dict[str, Any]) -> dict[str, Any]:
+        question = re.search(r"Question: (.*)", body["messages"][1]["content"]).group(1).strip()
+        if question == failing:
+            raise HTTPException(status_code=500, detail="scripted failure")
+        content = f"```sql\n{gold[question]}\n```"
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+
+    return app
+
+
+@pytest.fixture
+def server(spider_mini_dir: Path) -> Iterator[str]:
+    dev = json.loads((spider_mini_dir / "dev.json").read_text())
+    port = free_port()
+    config = uvicorn.Config(scripted_server({r["question"]: r["query"] for r in dev}), port=port, log_level="warning")
+    instance = uvicorn.Server(config)
+    thread = threading.Thread(target=instance.run, daemon=True)
+    thread.start()
+    while not instance.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    instance.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["job=eval", "experiment=smoke", f"endpoint.base_url={server}", "endpoint.concurrency=3"]
+    result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "eval" / "records.jsonl").read_text().splitlines()]
+    assert summary["n"] == len(records) == 8 and summary["errors"] == 1
+    assert summary["accuracy"] == pytest.approx(7 / 8)
+    failed = records[FAILING_QUESTION_INDEX]
+    assert failed["reward"] == 0.0 and "500" in failed["error"]
+    assert all(r["reward"] == 1.0 for i, r in enumerate(records) if i != FAILING_QUESTION_INDEX)
+
+
+def test_eval_limit(server: str, cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["job=eval", "experiment=smoke", f"endpoint.base_url={server}", "endpoint.limit=1"]
+    result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "eval" / "summary.json").read_text())["n"] == 1
+
+
+def test_an_unreachable_endpoint_fails_before_any_task(cache_dir: Path, tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    result = launch(["job=eval", "experiment=smoke", f"endpoint.base_url={url}"], cache_dir, tmp_path)
+    assert result.returncode != 0
+    assert f"endpoint.base_url={url} is not reachable" in result.stderr + result.stdout
+    assert not list(tmp_path.rglob("records.jsonl"))
