@@ -74,19 +74,24 @@ class Endpoint:
         return os.environ.get(self.api_key_env, "EMPTY")
 
     def check_reachable(self) -> str:
-        """Fail with a clear message unless the server answers `GET /models`; returns the model to use."""
+        """Fail with a clear message unless the server answers; returns the model to use.
+
+        `GET /models` must answer. Its list names the model when `endpoint.model` is null; some servers
+        (`transformers serve` with no hub cache) cannot list, which is fine when `endpoint.model` is set.
+        """
         url = self.base_url.rstrip("/") + "/models"
         try:
             response = httpx.get(url, headers={"Authorization": f"Bearer {self.api_key}"}, timeout=10.0)
-            response.raise_for_status()
         except httpx.HTTPError as exc:
             raise ConnectionError(f"endpoint.base_url={self.base_url} is not reachable ({url}: {exc})") from exc
-        served = [m.get("id") for m in response.json().get("data", [])]
-        if self.model is None:
-            if len(served) != 1:
-                raise ValueError(f"endpoint.model is not set and the server serves {served}: name one")
-            return str(served[0])
-        return self.model
+        if response.status_code in (401, 403):
+            raise PermissionError(f"endpoint.base_url={self.base_url} refused the key in ${self.api_key_env}")
+        if self.model is not None:
+            return self.model
+        served = [m.get("id") for m in response.json().get("data", [])] if response.is_success else []
+        if len(served) != 1:
+            raise ValueError(f"endpoint.model is not set and {url} lists {served or 'nothing'}: set endpoint.model")
+        return str(served[0])
 
     def chat(self, model: str) -> OpenAIChat:
         sampling = {"temperature": self.temperature, "max_tokens": self.max_tokens}
