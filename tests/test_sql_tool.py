@@ -19,6 +19,8 @@ def db(tmp_path: Path) -> Path:
     conn.executescript(
         "CREATE TABLE people (id INTEGER PRIMARY KEY, name TEXT, age INTEGER);"
         "INSERT INTO people (name, age) VALUES ('Ann', 31), ('Bob', 45), ('Cid', 27);"
+        'CREATE TABLE "学生" ("名字" TEXT, "年龄" INTEGER);'
+        "INSERT INTO \"学生\" VALUES ('李雷', 20), ('韩梅梅', 19);"
     )
     conn.commit()
     conn.close()
@@ -45,6 +47,9 @@ def test_select_returns_rows(db: Path) -> None:
         "PRAGMA writable_schema = ON",
         "SELECT 1; DROP TABLE people",
         "SELEC name FROM people",
+        "SELECT load_extension('/tmp/evil.so')",
+        'DROP TABLE "学生"',
+        "VACUUM",
     ],
 )
 def test_bad_statements_are_errors_and_change_nothing(db: Path, sql: str) -> None:
@@ -60,6 +65,19 @@ def test_runaway_query_is_stopped_within_its_limit(db: Path) -> None:
     result = run_query(db, sql, timeout_s=0.5)
     assert time.monotonic() - start < 2.0
     assert not result.ok and "time limit" in (result.error or "")
+
+
+def test_a_huge_cross_join_is_stopped_within_its_limit(db: Path) -> None:
+    sql = "SELECT count(*) FROM people a, people b, people c, people d, people e, people f, people g, people h, "
+    sql += "people i, people j, people k, people l, people m, people n, people o, people p, people q, people r"
+    start = time.monotonic()
+    result = run_query(db, sql, timeout_s=0.5)
+    assert time.monotonic() - start < 2.0 and "time limit" in (result.error or "")
+
+
+def test_unicode_identifiers(db: Path) -> None:
+    result = run_query(db, 'SELECT "名字" FROM "学生" WHERE "年龄" > 19')
+    assert result.ok and result.rows == [("李雷",)] and result.columns == ["名字"]
 
 
 def test_rows_and_characters_are_capped(db: Path) -> None:
