@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from models.tiny import TinyModel
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A GRPO run small enough for a test (conf/experiment/smoke.yaml): 5 SFT steps, 2 tasks x 2 rollouts, 2 steps.
@@ -26,6 +28,22 @@ def spider_mini_dir(cache_dir: Path) -> Path:
     from data import spider_mini
 
     return spider_mini.generate(cache_dir / "spider_mini", seed=0, n_train=120, n_dev=8)
+
+
+def micro_tiny(cache_dir: Path) -> TinyModel:
+    """A tiny model smaller still than `model=tiny` (2 layers x 32, 300 tokens), for unit tests."""
+    return TinyModel(
+        name="tiny",
+        hub_id=None,
+        path=None,
+        context_length=512,
+        tool_call_format="hermes",
+        cache_dir=str(cache_dir),
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+    )
 
 
 def launch(args: list[str], cache: Path, output: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:

@@ -11,25 +11,14 @@ import pytest
 from agents.llm import OpenAIChat
 from backends.policy_server import PolicyServer
 from backends.trl.rollouts import flatten
-from models.tiny import TinyModel
+from tests.conftest import micro_tiny
 
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
-    spec = TinyModel(
-        name="tiny",
-        hub_id=None,
-        path=None,
-        context_length=512,
-        tool_call_format="hermes",
-        cache_dir=str(tmp_path_factory.mktemp("models")),
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-    )
+    spec = micro_tiny(tmp_path_factory.mktemp("models"))
     source = spec.prepare(CORPUS)
     return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
 

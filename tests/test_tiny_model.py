@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.tiny import TinyModel
+from tests.conftest import micro_tiny
 
 CORPUS = ["SELECT count(*) FROM students WHERE age > 20", "How many students are there?"] * 20
 
@@ -17,18 +18,7 @@ CORPUS = ["SELECT count(*) FROM students WHERE age > 20", "How many students are
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[TinyModel, str]:
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    spec = TinyModel(
-        name="tiny",
-        hub_id=None,
-        path=None,
-        context_length=256,
-        tool_call_format="hermes",
-        cache_dir=str(tmp_path_factory.mktemp("models")),
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-    )
+    spec = micro_tiny(tmp_path_factory.mktemp("models"))
     yield spec, spec.prepare(CORPUS)
     monkeypatch.undo()
 
