@@ -54,6 +54,7 @@ def connect_read_only(db_path: str | Path) -> sqlite3.Connection:
     conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, check_same_thread=False)
     conn.execute("PRAGMA query_only = ON")
     conn.set_authorizer(_authorizer)
+    conn.text_factory = lambda b: b.decode(errors="ignore")  # some Spider databases hold invalid UTF-8
     return conn
 
 

@@ -1,36 +1,102 @@
-"""Execution match: 1.0 when the predicted SQL returns the same result as the gold SQL on the task's database.
+"""Execution match with the semantics of Spider's official evaluator (taoyds/test-suite-sql-eval, `exec_eval`).
 
-Results are compared as multisets of rows, in order only when the gold query has ORDER BY (Spider's `exec_eval`
-convention). Both queries run through the read-only, time-limited SQL tool.
+As there, with its defaults (`keep_distinct=False`, `plug_value=False`): `> =`-style spacing is repaired, DISTINCT
+is removed from both queries, results are compared as bags of rows, in order only when the gold query has ORDER BY,
+and columns match up to a permutation. Unlike there, both queries run through the read-only SQL tool, so a query is
+stopped inside SQLite at its time limit and can never change the database; and the gold result is cached per
+(database, gold query), since GRPO scores a whole group of rollouts against the same gold.
 """
 
 from __future__ import annotations
 
-import re
+import random
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
 from pathlib import Path
 from typing import Any
 
-from agents.sql_tool import run_query
+import sqlparse
+
+from agents.sql_tool import SQLResult, run_query
 from agents.trajectory import Trajectory
 
-_ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
+_MAX_ROWS = 100_000
+
+
+def normalize(sql: str) -> str:
+    """The official post-processing: `> =` -> `>=` (and `<`, `!`), then DISTINCT removed (sqlparse tokens)."""
+    sql = sql.replace("> =", ">=").replace("< =", "<=").replace("! =", "!=")
+    tokens = [t.value for t in sqlparse.parse(sql)[0].flatten()] if sql.strip() else []
+    return "".join(t for t in tokens if t.lower() != "distinct")
+
+
+def _unorder_row(row: tuple) -> tuple:
+    return tuple(sorted(row, key=lambda x: str(x) + str(type(x))))
+
+
+def _column_permutations(result1: list[tuple], result2: list[tuple]) -> Iterator[tuple[int, ...]]:
+    """Candidate orders of result2's columns; above 3 columns, pruned by values seen in sampled rows (as upstream)."""
+    num_cols = len(result2[0])
+    allowed = [set(range(num_cols)) for _ in range(num_cols)]
+    if num_cols > 3:
+        column_values = [{row[i] for row in result1} for i in range(num_cols)]
+        for _ in range(20):
+            row = random.choice(result2)
+            for col in range(num_cols):
+                allowed[col] = {c for c in allowed[col] if row[c] in column_values[col]}
+    return product(*allowed)
+
+
+def results_match(result1: list[tuple], result2: list[tuple], order_matters: bool) -> bool:
+    """Whether two results denote the same table: same rows (as a bag, or a list) up to a column permutation."""
+    if not result1 and not result2:
+        return True
+    if len(result1) != len(result2) or len(result1[0]) != len(result2[0]):
+        return False
+    unordered1 = [_unorder_row(r) for r in result1]
+    unordered2 = [_unorder_row(r) for r in result2]
+    if order_matters and unordered1 != unordered2:
+        return False
+    if not order_matters and set(unordered1) != set(unordered2):
+        return False
+    for perm in _column_permutations(result1, result2):
+        if len(set(perm)) != len(perm):
+            continue
+        permuted = result2 if len(perm) == 1 else [tuple(row[i] for i in perm) for row in result2]
+        if order_matters:
+            if result1 == permuted:
+                return True
+        elif Counter(result1) == Counter(permuted):
+            return True
+    return False
+
+
+@lru_cache(maxsize=4096)
+def _gold_result(db_path: str, gold_sql: str, mtime_ns: int, timeout_s: float) -> SQLResult:
+    del mtime_ns  # part of the cache key only: a changed database is a new entry
+    return run_query(db_path, gold_sql, timeout_s=timeout_s, max_rows=_MAX_ROWS)
 
 
 def execution_match(predicted_sql: str, gold_sql: str, db_path: str | Path, *, timeout_s: float = 2.0) -> float:
-    """1.0 if both queries run and return the same rows (ordered only when gold has ORDER BY), else 0.0."""
+    """1.0 if the predicted query denotes the gold query's result on `db_path`, else 0.0.
+
+    Raises ValueError when the gold query itself fails (the official evaluator asserts).
+    """
     if not predicted_sql or not predicted_sql.strip():
         return 0.0
-    gold = run_query(db_path, gold_sql, timeout_s=timeout_s, max_rows=100_000)
+    gold_sql, predicted_sql = normalize(gold_sql), normalize(predicted_sql)
+    path = Path(db_path)
+    mtime = path.stat().st_mtime_ns if path.is_file() else 0
+    gold = _gold_result(str(path), gold_sql, mtime, timeout_s)
     if not gold.ok:
         raise ValueError(f"gold SQL fails on {db_path}: {gold.error}\n{gold_sql}")
-    pred = run_query(db_path, predicted_sql, timeout_s=timeout_s, max_rows=100_000)
+    pred = run_query(path, predicted_sql, timeout_s=timeout_s, max_rows=_MAX_ROWS)
     if not pred.ok or pred.truncated or gold.truncated:
         return 0.0
-    if _ORDER_BY.search(gold_sql):
-        return float(pred.rows == gold.rows)
-    return float(Counter(pred.rows) == Counter(gold.rows))
+    return float(results_match(gold.rows, pred.rows, order_matters="order by" in gold_sql.lower()))
 
 
 @dataclass
