@@ -16,7 +16,8 @@ class Agent(Protocol):
     async def run(self, task: dict[str, Any], llm: ChatModel) -> Trajectory: ...
 
 
-Reward = Callable[[dict[str, Any], Trajectory], float]
+# A reward may be None: missing (an LLM judge that could not be reached), never a silent 0.
+Reward = Callable[[dict[str, Any], Trajectory], float | None]
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Rollout:
 
     task: dict[str, Any]
     trajectory: Trajectory
-    reward: float
+    reward: float | None
     error: str | None
 
     def record(self) -> dict[str, Any]:
@@ -77,19 +78,24 @@ async def run_rollouts(
 
 @dataclass
 class EvalSummary:
+    """`accuracy` is the mean score over the rollouts that have one; `missing` counts those that do not."""
+
     accuracy: float
     n: int
     errors: int
+    missing: int
     mean_turns: float
     wall_s: float
 
     @classmethod
     def of(cls, rollouts: Sequence[Rollout], wall_s: float) -> EvalSummary:
         n = len(rollouts)
+        scored = [r.reward for r in rollouts if r.reward is not None]
         return cls(
-            accuracy=sum(r.reward for r in rollouts) / n if n else 0.0,
+            accuracy=sum(scored) / len(scored) if scored else 0.0,
             n=n,
             errors=sum(r.error is not None for r in rollouts),
+            missing=n - len(scored),
             mean_turns=sum(r.trajectory.turns for r in rollouts) / n if n else 0.0,
             wall_s=wall_s,
         )

@@ -17,6 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 COMPONENT_GROUPS = ("model", "finetune", "algorithm", "agent", "reward", "data", "backend", "warmstart", "endpoint")
 
 
+HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
+
+
 class ConfigError(ValueError):
     """A config value that cannot work; the message starts with the key."""
 
@@ -33,11 +36,10 @@ def check_schema(group: str, node: DictConfig) -> None:
     if not dataclasses.is_dataclass(cls):
         return
     fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(node.keys()) - fields - {"_target_"})
+    unknown = sorted(set(node.keys()) - fields - HYDRA_KEYS)
     if unknown:
         raise ConfigError(f"{group}.{unknown[0]} is not a key of {target} (known: {', '.join(sorted(fields))})")
-    values = OmegaConf.to_container(node, resolve=True)
-    del values["_target_"]
+    values = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in HYDRA_KEYS}
     try:
         OmegaConf.merge(OmegaConf.structured(cls), values)
     except OmegaConfBaseException as exc:

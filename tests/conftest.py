@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import uvicorn
+from fastapi import FastAPI
 
 from models.tiny import TinyModel
 
@@ -57,3 +64,25 @@ def launch(args: list[str], cache: Path, output: Path, timeout: int = 600) -> su
         text=True,
         timeout=timeout,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """Serve `app` on a loopback port in a thread; yields its `/v1` base URL and stops it afterwards."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

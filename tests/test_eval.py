@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,18 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, HTTPException
 
-from tests.conftest import launch
+from tests.conftest import free_port, launch, serve
 
 FAILING_QUESTION_INDEX = 1  # the server answers this dev question with HTTP 500
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scripted_server(gold: dict[str, str]) -> FastAPI:
@@ -57,16 +48,8 @@ def scripted_server(gold: dict[str, str]) -> FastAPI:
 @pytest.fixture
 def server(spider_mini_dir: Path) -> Iterator[str]:
     dev = json.loads((spider_mini_dir / "dev.json").read_text())
-    port = free_port()
-    config = uvicorn.Config(scripted_server({r["question"]: r["query"] for r in dev}), port=port, log_level="warning")
-    instance = uvicorn.Server(config)
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    while not instance.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1"
-    instance.should_exit = True
-    thread.join(timeout=10)
+    with serve(scripted_server({r["question"]: r["query"] for r in dev})) as url:
+        yield url
 
 
 def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cache_dir: Path, tmp_path: Path) -> None:

@@ -160,8 +160,10 @@ class TRLBackend:
 def _passthrough_reward(name: str) -> Any:
     """TRL reward function returning the reward the rollout already computed (named after the reward, for logs)."""
 
-    def reward(prompts: list[Any], completions: list[Any], rollout_reward: list[float], **_: Any) -> list[float]:
-        return list(rollout_reward)
+    def reward(
+        prompts: list[Any], completions: list[Any], rollout_reward: list[float | None], **_: Any
+    ) -> list[float | None]:
+        return list(rollout_reward)  # None: missing, which TRL leaves out of the group's baseline
 
     reward.__name__ = name
     return reward

@@ -83,6 +83,7 @@ class AgentRollouts:
             "rollout/execution_error_rate": sum(r.trajectory.execution_errors for r in rollouts)
             / max(1, sum(r.trajectory.executions for r in rollouts)),
             "rollout/agent_error_rate": sum(r.error is not None for r in rollouts) / n,
+            "rollout/reward_missing_rate": sum(r.reward is None for r in rollouts) / n,
             "rollout/discontinuous_rate": sum(not s.continuous for s in samples) / n,
             "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in samples) / n,
         }

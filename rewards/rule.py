@@ -1,0 +1,25 @@
+"""Rule reward: a fixed amount when the agent's SQL ran without error (`conf/reward/rule.yaml`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agents.trajectory import Trajectory
+
+
+@dataclass
+class ExecutedSQL:
+    """`amount` when the last query the agent ran executed without error, 0 when it failed.
+
+    `no_sql_penalty` is the optional format term: what a trajectory with no parseable SQL gets (e.g. -1.0).
+    """
+
+    name: str = "rule"
+    amount: float = 0.1
+    no_sql_penalty: float = 0.0
+
+    def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
+        if trajectory.final_sql is None:
+            return self.no_sql_penalty
+        return self.amount if trajectory.last_execution_ok else 0.0

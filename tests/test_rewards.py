@@ -1,0 +1,115 @@
+"""Rule, LLM judge and hybrid rewards; the judge against a scripted loopback judge (good, malformed, slow, down)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from agents.trajectory import Trajectory
+from rewards.hybrid import Hybrid
+from rewards.llm_judge import LLMJudge, parse_score
+from rewards.rule import ExecutedSQL
+from tests.conftest import ROOT, free_port, serve
+
+TASK = {"question": "What treats a headache?", "answer": "Ibuprofen."}
+
+
+def judge_app(replies: list[str], delay_s: float = 0.0) -> tuple[FastAPI, list[dict]]:
+    """A judge that answers with `replies` in turn (the last one repeats), after `delay_s`."""
+    app, seen = FastAPI(), []
+
+    @app.post("/v1/chat/completions")
+    def complete(body: dict[str, Any]) -> dict[str, Any]:
+        seen.append(body)
+        time.sleep(delay_s)
+        content = replies[min(len(seen), len(replies)) - 1]
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        }
+
+    return app, seen
+
+
+def judge(base_url: str, **kwargs: Any) -> LLMJudge:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["reward=llm_judge", f"reward.base_url={base_url}"])
+    return instantiate(cfg.reward, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("text", "score"),
+    [("Fine.\nSCORE: 0.8", 0.8), ("SCORE: 7/10", 0.7), ("**SCORE:** 1", 1.0), ("SCORE: 3", None), ("great", None)],
+)
+def test_parse_score(text: str, score: float | None) -> None:
+    assert parse_score(text) == score
+
+
+def test_rule_rewards_sql_that_ran() -> None:
+    rule = ExecutedSQL(amount=0.1, no_sql_penalty=-1.0)
+    assert rule({}, Trajectory(final_sql="SELECT 1", last_execution_ok=True)) == 0.1
+    assert rule({}, Trajectory(final_sql="SELEC 1", last_execution_ok=False)) == 0.0
+    assert rule({}, Trajectory(final_sql=None)) == -1.0
+
+
+def test_judge_scores_and_caches_identical_requests() -> None:
+    app, seen = judge_app(["Accurate and clear.\nSCORE: 0.9"])
+    with serve(app) as url:
+        reward = judge(url)
+        answer = Trajectory(answer="Ibuprofen or paracetamol.")
+        assert reward(TASK, answer) == 0.9 and reward(TASK, answer) == 0.9
+    assert len(seen) == 1
+    prompt = seen[0]["messages"][0]["content"]
+    assert "What treats a headache?" in prompt and "Ibuprofen." in prompt and "accuracy" in prompt
+
+
+def test_a_malformed_reply_is_asked_again() -> None:
+    app, seen = judge_app(["I like it", "SCORE: 12", "SCORE: 0.4"])
+    with serve(app) as url:
+        assert judge(url, retries=2)(TASK, Trajectory(answer="x")) == 0.4
+    assert len(seen) == 3
+
+
+def test_never_readable_is_missing_not_zero() -> None:
+    app, _ = judge_app(["no score here"])
+    with serve(app) as url:
+        assert judge(url, retries=1)(TASK, Trajectory(answer="x")) is None
+
+
+def test_a_slow_judge_times_out_to_missing() -> None:
+    app, _ = judge_app(["SCORE: 1"], delay_s=2.0)
+    with serve(app) as url:
+        start = time.monotonic()
+        assert judge(url, timeout_s=0.3, retries=1)(TASK, Trajectory(answer="x")) is None
+        assert time.monotonic() - start < 1.9
+
+
+def test_a_down_judge_is_missing() -> None:
+    reward = judge(f"http://127.0.0.1:{free_port()}/v1", retries=1)
+    assert reward(TASK, Trajectory(answer="x")) is None
+
+
+def test_hybrid_is_rule_plus_judge_and_missing_when_the_judge_is() -> None:
+    app, _ = judge_app(["SCORE: 0.5"])
+    with serve(app) as url:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=["reward=hybrid", f"reward.terms.judge.base_url={url}"])
+        hybrid: Hybrid = instantiate(cfg.reward)
+        ran = Trajectory(final_sql="SELECT 1", last_execution_ok=True, answer="Ibuprofen.")
+        assert hybrid(TASK, ran) == pytest.approx(0.6)
+    down = Hybrid(terms={"rule": ExecutedSQL(), "judge": judge(f"http://127.0.0.1:{free_port()}/v1", retries=0)})
+    assert down(TASK, ran) is None
+
+
+def test_hybrid_weights_must_name_terms() -> None:
+    with pytest.raises(ValueError, match=r"reward\.weights\.jdge"):
+        Hybrid(terms={"rule": ExecutedSQL()}, weights={"jdge": 1.0})
