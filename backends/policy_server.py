@@ -95,6 +95,7 @@ class PolicyServer:
         self._active: int | None = None
         self._busy = False
         self._timer: asyncio.TimerHandle | None = None
+        self._batch_task: asyncio.Task[None] | None = None  # referenced so it is not collected mid-batch
         self.app = self._build_app()
 
     # ---- what the trainer uses ---------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class PolicyServer:
             return
         batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
         self._busy = True
-        asyncio.get_running_loop().create_task(self._run_batch(batch))
+        self._batch_task = asyncio.get_running_loop().create_task(self._run_batch(batch))
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         try:

@@ -13,7 +13,7 @@ class Full:
 
     name: str = "full"
 
-    def peft_config(self) -> None:
+    def peft_config(self, task_type: str = "CAUSAL_LM") -> None:
         return None
 
 
@@ -39,11 +39,12 @@ class LoRA:
         if not self.target_modules:
             raise ValueError("finetune.target_modules must not be empty")
 
-    def peft_config(self) -> LoraConfig:
+    def peft_config(self, task_type: str = "CAUSAL_LM") -> LoraConfig:
+        """PEFT's config; `task_type="SEQ_CLS"` for a reward model (its scalar head is then trained in full)."""
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
             target_modules=list(self.target_modules),
-            task_type="CAUSAL_LM",
+            task_type=task_type,
         )

@@ -1,0 +1,128 @@
+"""Reward-model jobs: train one with TRL's RewardTrainer, serve it over HTTP, merge a LoRA adapter into its base.
+
+python launch.py job=reward_model_train [model=...] [finetune=lora] [job.pairs=prefs.jsonl]
+python launch.py job=reward_model_serve job.model_path=<run>/checkpoints/final job.port=8002
+python launch.py job=merge_lora job.adapter_path=<run>/checkpoints/final
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from datasets import Dataset
+from omegaconf import DictConfig
+from peft import AutoPeftModelForSequenceClassification, PeftConfig
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from trl import RewardConfig, RewardTrainer
+
+from data.preferences import convert, read_jsonl, sql_pairs
+from experiments.config import build_components
+from experiments.run_dir import RunDir
+from rewards.reward_model import Scorer, create_app
+
+
+def _pairs(cfg: DictConfig, data: Any) -> list[dict[str, str]]:
+    if cfg.job.pairs:
+        return convert(read_jsonl(Path(cfg.job.pairs)))
+    pairs = sql_pairs(data.prepare(), data.train_split, seed=cfg.seed, limit=cfg.job.max_pairs)
+    return [p | {"prompt": p["prompt"] + "\n"} for p in pairs]
+
+
+def pairwise_accuracy(scorer: Scorer, pairs: list[dict[str, str]]) -> float:
+    prompts = [p["prompt"] for p in pairs]
+    chosen = scorer.score(prompts, [p["chosen"] for p in pairs])
+    rejected = scorer.score(prompts, [p["rejected"] for p in pairs])
+    return sum(c > r for c, r in zip(chosen, rejected, strict=True)) / len(pairs)
+
+
+def train(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
+    """job=reward_model_train: a scalar-head model of the `model` group, full or LoRA, on preference pairs."""
+    parts = build_components(cfg)
+    model_spec, finetune, data = parts["model"], parts["finetune"], parts["data"]
+    pairs = _pairs(cfg, data)
+    random.Random(cfg.seed).shuffle(pairs)
+    source = model_spec.prepare([t for p in pairs for t in p.values()])
+    tokenizer = model_spec.load_tokenizer(source)
+    model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = RewardConfig(
+        output_dir=str(run.checkpoints),
+        max_steps=cfg.job.steps,
+        per_device_train_batch_size=cfg.job.batch_size,
+        learning_rate=cfg.job.learning_rate,
+        max_length=cfg.job.max_length,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        bf16=device == "cuda",
+        gradient_checkpointing=False,
+        seed=cfg.seed,
+        disable_tqdm=True,
+    )
+    trainer = RewardTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(pairs),
+        processing_class=tokenizer,
+        peft_config=finetune.peft_config(task_type="SEQ_CLS"),
+    )
+    result = trainer.train()
+    final = run.checkpoints / "final"
+    trainer.save_model(str(final))
+    tokenizer.save_pretrained(str(final))
+    scorer = Scorer(trainer.model, tokenizer, cfg.job.max_length)
+    held_in = pairs[: cfg.job.eval_pairs]
+    accuracy = pairwise_accuracy(scorer, held_in)
+    run.log(trainer.state.global_step, {"train/loss": result.training_loss, "train/pairwise_accuracy": accuracy})
+    return {
+        "pairs": len(pairs),
+        "steps": trainer.state.global_step,
+        "train_loss": result.training_loss,
+        "pairwise_accuracy_held_in": accuracy,
+        "model_path": str(final),
+    }
+
+
+def load_reward_model(path: str | Path) -> tuple[Any, Any]:
+    """A saved reward model, full or LoRA adapter (merged on load)."""
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if (path / "adapter_config.json").is_file():
+        model = AutoPeftModelForSequenceClassification.from_pretrained(path, num_labels=1).merge_and_unload()
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def serve(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
+    """job=reward_model_serve: the HTTP API of rewards/reward_model.py until stopped."""
+    model, tokenizer = load_reward_model(cfg.job.model_path)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    app = create_app(Scorer(model, tokenizer, cfg.job.max_length), max_batch_size=cfg.job.max_batch_size)
+    print(f"reward model {cfg.job.model_path} at http://{cfg.job.host}:{cfg.job.port}", flush=True)
+    uvicorn.run(app, host=cfg.job.host, port=cfg.job.port, log_level="warning")
+    return {"model_path": cfg.job.model_path}
+
+
+def merge_lora(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
+    """job=merge_lora: an adapter merged into its base, saved as a standalone model (PEFT)."""
+    adapter = Path(cfg.job.adapter_path)
+    peft_config = PeftConfig.from_pretrained(adapter)
+    if peft_config.task_type == "SEQ_CLS":
+        model, tokenizer = load_reward_model(adapter)
+    else:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(adapter).merge_and_unload()
+        tokenizer = AutoTokenizer.from_pretrained(adapter)
+    out = Path(cfg.job.output_path) if cfg.job.output_path else run.path / "merged"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"adapter_path": str(adapter), "base": peft_config.base_model_name_or_path, "merged_path": str(out)}
