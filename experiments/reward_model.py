@@ -25,7 +25,8 @@ from experiments.run_dir import RunDir
 from rewards.reward_model import Scorer, create_app
 
 
-def _pairs(cfg: DictConfig, data: Any) -> list[dict[str, str]]:
+def preference_pairs(cfg: DictConfig, data: Any) -> list[dict[str, str]]:
+    """`job.pairs` (a prompt/chosen/rejected jsonl), or SQL pairs generated from the data group's train split."""
     if cfg.job.pairs:
         return convert(read_jsonl(Path(cfg.job.pairs)))
     pairs = sql_pairs(data.prepare(), data.train_split, seed=cfg.seed, limit=cfg.job.max_pairs)
@@ -43,7 +44,7 @@ def train(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     """job=reward_model_train: a scalar-head model of the `model` group, full or LoRA, on preference pairs."""
     parts = build_components(cfg)
     model_spec, finetune, data = parts["model"], parts["finetune"], parts["data"]
-    pairs = _pairs(cfg, data)
+    pairs = preference_pairs(cfg, data)
     random.Random(cfg.seed).shuffle(pairs)
     source = model_spec.prepare([t for p in pairs for t in p.values()])
     tokenizer = model_spec.load_tokenizer(source)
