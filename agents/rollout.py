@@ -67,8 +67,8 @@ async def run_rollouts(
                 if on_finished is not None:
                     on_finished(index)
         error = trajectory.error
-        try:
-            score = float(reward(task, trajectory))
+        try:  # in a thread: a reward may wait on a judge model while the other rollouts go on
+            score = await asyncio.to_thread(reward, task, trajectory)
         except Exception as exc:
             score, error = 0.0, error or f"reward failed: {type(exc).__name__}: {exc}"
         return Rollout(task=task, trajectory=trajectory, reward=score, error=error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -11,6 +12,8 @@ from fastapi import FastAPI
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from agents.llm import ScriptedChat
+from agents.rollout import evaluate
 from agents.trajectory import Trajectory
 from rewards.hybrid import Hybrid
 from rewards.llm_judge import LLMJudge, parse_score
@@ -113,3 +116,19 @@ def test_hybrid_is_rule_plus_judge_and_missing_when_the_judge_is() -> None:
 def test_hybrid_weights_must_name_terms() -> None:
     with pytest.raises(ValueError, match=r"reward\.weights\.jdge"):
         Hybrid(terms={"rule": ExecutedSQL()}, weights={"jdge": 1.0})
+
+
+def test_a_missing_reward_stays_missing_through_the_rollout_loop() -> None:
+    class OneCallAgent:
+        async def run(self, task: dict, llm: Any) -> Trajectory:
+            return Trajectory(answer=await llm.chat([{"role": "user", "content": task["question"]}]))
+
+    tasks = [TASK, TASK | {"question": "What treats a fever?"}]
+    chats = [ScriptedChat(["Ibuprofen."]), ScriptedChat(["Paracetamol."])]
+
+    def flaky_judge(task: dict, trajectory: Trajectory) -> float | None:
+        return None if "fever" in task["question"] else 0.7
+
+    summary, rollouts = asyncio.run(evaluate(OneCallAgent(), tasks, lambda i: chats[i], flaky_judge))
+    assert [r.reward for r in rollouts] == [0.7, None] and all(r.error is None for r in rollouts)
+    assert summary.missing == 1 and summary.accuracy == pytest.approx(0.7)
