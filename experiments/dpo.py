@@ -6,7 +6,6 @@ log-probability margin of chosen over rejected on held-in pairs before and after
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import torch
@@ -15,8 +14,7 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 
-from experiments.config import build_components
-from experiments.reward_model import preference_pairs
+from experiments.preference import device, prepare, save_final, trainer_args
 from experiments.run_dir import RunDir
 
 
@@ -39,42 +37,20 @@ def mean_margin(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pair
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
-    parts = build_components(cfg)
-    model_spec, finetune = parts["model"], parts["finetune"]
-    pairs = preference_pairs(cfg, parts["data"])
-    random.Random(cfg.seed).shuffle(pairs)
-    source = model_spec.prepare([t for p in pairs for t in p.values()])
-    tokenizer = model_spec.load_tokenizer(source)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model_spec.load_model(source, device)
+    parts, pairs, source, tokenizer = prepare(cfg)
+    model = parts["model"].load_model(source, device())
     held_in = pairs[: cfg.job.eval_pairs]
     before = mean_margin(model, tokenizer, held_in)
-    args = DPOConfig(
-        output_dir=str(run_dir.checkpoints),
-        max_steps=cfg.job.steps,
-        per_device_train_batch_size=cfg.job.batch_size,
-        learning_rate=cfg.job.learning_rate,
-        beta=cfg.job.beta,
-        max_length=cfg.job.max_length,
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        bf16=device == "cuda",
-        gradient_checkpointing=False,
-        seed=cfg.seed,
-        disable_tqdm=True,
-    )
+    args = trainer_args(DPOConfig, cfg, run_dir, beta=cfg.job.beta)
     trainer = DPOTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(pairs),
         processing_class=tokenizer,
-        peft_config=finetune.peft_config(),
+        peft_config=parts["finetune"].peft_config(),
     )
     result = trainer.train()
-    final = run_dir.checkpoints / "final"
-    trainer.save_model(str(final))
-    tokenizer.save_pretrained(str(final))
+    final = save_final(trainer, tokenizer, run_dir)
     after = mean_margin(trainer.model, tokenizer, held_in)
     run_dir.log(trainer.state.global_step, {"train/loss": result.training_loss, "train/margin": after})
     return {

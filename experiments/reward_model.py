@@ -7,7 +7,6 @@ python launch.py job=merge_lora job.adapter_path=<run>/checkpoints/final
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +18,9 @@ from peft import AutoPeftModelForSequenceClassification, PeftConfig
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
-from data.preferences import convert, read_jsonl, sql_pairs
-from experiments.config import build_components
+from experiments.preference import prepare, save_final, trainer_args
 from experiments.run_dir import RunDir
 from rewards.reward_model import Scorer, create_app
-
-
-def preference_pairs(cfg: DictConfig, data: Any) -> list[dict[str, str]]:
-    """`job.pairs` (a prompt/chosen/rejected jsonl), or SQL pairs generated from the data group's train split."""
-    if cfg.job.pairs:
-        return convert(read_jsonl(Path(cfg.job.pairs)))
-    pairs = sql_pairs(data.prepare(), data.train_split, seed=cfg.seed, limit=cfg.job.max_pairs)
-    return [p | {"prompt": p["prompt"] + "\n"} for p in pairs]
 
 
 def pairwise_accuracy(scorer: Scorer, pairs: list[dict[str, str]]) -> float:
@@ -42,40 +32,19 @@ def pairwise_accuracy(scorer: Scorer, pairs: list[dict[str, str]]) -> float:
 
 def train(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     """job=reward_model_train: a scalar-head model of the `model` group, full or LoRA, on preference pairs."""
-    parts = build_components(cfg)
-    model_spec, finetune, data = parts["model"], parts["finetune"], parts["data"]
-    pairs = preference_pairs(cfg, data)
-    random.Random(cfg.seed).shuffle(pairs)
-    source = model_spec.prepare([t for p in pairs for t in p.values()])
-    tokenizer = model_spec.load_tokenizer(source)
+    parts, pairs, source, tokenizer = prepare(cfg)
     model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1)
     model.config.pad_token_id = tokenizer.pad_token_id
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = RewardConfig(
-        output_dir=str(run.checkpoints),
-        max_steps=cfg.job.steps,
-        per_device_train_batch_size=cfg.job.batch_size,
-        learning_rate=cfg.job.learning_rate,
-        max_length=cfg.job.max_length,
-        logging_steps=10,
-        save_strategy="no",
-        report_to=[],
-        bf16=device == "cuda",
-        gradient_checkpointing=False,
-        seed=cfg.seed,
-        disable_tqdm=True,
-    )
+    args = trainer_args(RewardConfig, cfg, run)
     trainer = RewardTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(pairs),
         processing_class=tokenizer,
-        peft_config=finetune.peft_config(task_type="SEQ_CLS"),
+        peft_config=parts["finetune"].peft_config(task_type="SEQ_CLS"),
     )
     result = trainer.train()
-    final = run.checkpoints / "final"
-    trainer.save_model(str(final))
-    tokenizer.save_pretrained(str(final))
+    final = save_final(trainer, tokenizer, run)
     scorer = Scorer(trainer.model, tokenizer, cfg.job.max_length)
     held_in = pairs[: cfg.job.eval_pairs]
     accuracy = pairwise_accuracy(scorer, held_in)
