@@ -6,7 +6,6 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -18,22 +17,13 @@ from experiments.run_dir import RunDir, git_commit
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 
 
-def run_dir_of(cfg: DictConfig) -> Path:
-    """Hydra's output directory for this run (one per run, also in a sweep)."""
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
-    return Path(cfg.paths.output_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S")
-
-
-def overrides_of() -> list[str]:
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-
-
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
-    run = RunDir(run_dir_of(cfg))
+    hydra = HydraConfig.get()  # one output directory per run, also in a sweep
+    run = RunDir(hydra.runtime.output_dir)
     job: Job = get_method(cfg.job._target_)
-    base = {"job": cfg.job.name, "run_dir": str(run.path), "git_commit": git_commit(), "overrides": overrides_of()}
+    overrides = list(hydra.overrides.task)
+    base = {"job": cfg.job.name, "run_dir": str(run.path), "git_commit": git_commit(), "overrides": overrides}
     start = time.monotonic()
     try:
         results = job(cfg, run)

@@ -10,15 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 import uvicorn
 from datasets import Dataset
 from omegaconf import DictConfig
-from peft import AutoPeftModelForSequenceClassification, PeftConfig
+from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification, PeftConfig
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
-from experiments.preference import prepare, save_final, trainer_args
+from experiments.preference import device, prepare, save_final, trainer_args
 from experiments.run_dir import RunDir
 from rewards.reward_model import Scorer, create_app
 
@@ -73,8 +72,7 @@ def load_reward_model(path: str | Path) -> tuple[Any, Any]:
 def serve(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     """job=reward_model_serve: the HTTP API of rewards/reward_model.py until stopped."""
     model, tokenizer = load_reward_model(cfg.job.model_path)
-    if torch.cuda.is_available():
-        model = model.cuda()
+    model = model.to(device())
     app = create_app(Scorer(model, tokenizer, cfg.job.max_length), max_batch_size=cfg.job.max_batch_size)
     print(f"reward model {cfg.job.model_path} at http://{cfg.job.host}:{cfg.job.port}", flush=True)
     uvicorn.run(app, host=cfg.job.host, port=cfg.job.port, log_level="warning")
@@ -88,8 +86,6 @@ def merge_lora(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     if peft_config.task_type == "SEQ_CLS":
         model, tokenizer = load_reward_model(adapter)
     else:
-        from peft import AutoPeftModelForCausalLM
-
         model = AutoPeftModelForCausalLM.from_pretrained(adapter).merge_and_unload()
         tokenizer = AutoTokenizer.from_pretrained(adapter)
     out = Path(cfg.job.output_path) if cfg.job.output_path else run.path / "merged"
