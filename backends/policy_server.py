@@ -30,7 +30,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from agents.llm import OpenAIChat
+from agent.llm import OpenAIChat
 
 DEFAULT_ROLLOUT = "default"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agents.rollout import Agent, Reward
+from agent.rollout import Agent, Reward
 from backends.algorithm import GRPO
 from data.spider import SpiderData
 from experiments.run_dir import RunDir

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from agents.sql_tool import run_query
+from agent.sql_tool import run_query
 from data.spider import load_split
 
 _ALIASES = {

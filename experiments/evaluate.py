@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from agents.rollout import evaluate
+from agent.rollout import evaluate
 from experiments.config import build_components
 from experiments.run_dir import RunDir
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import sqlparse
 
-from agents.sql_tool import SQLResult, run_query
-from agents.trajectory import Trajectory
+from agent.sql_tool import SQLResult, run_query
+from agent.trajectory import Trajectory
 
 _MAX_ROWS = 100_000
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from hydra.utils import instantiate
 
-from agents.trajectory import Trajectory
+from agent.trajectory import Trajectory
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 import openai
 from openai import OpenAI
 
-from agents.trajectory import Trajectory
+from agent.trajectory import Trajectory
 
 _SCORE = re.compile(r"SCORE:\s*\**\s*([0-9]*\.?[0-9]+)\s*(?:/\s*(10|100))?", re.IGNORECASE)
 

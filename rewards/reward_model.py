@@ -23,7 +23,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from agents.trajectory import Trajectory
+from agent.trajectory import Trajectory
 
 MAX_TEXT_CHARS = 100_000
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agents.trajectory import Trajectory
+from agent.trajectory import Trajectory
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.trajectory import Trajectory
+from agent.trajectory import Trajectory
 from bench.exec_match_suite import CASES, build_database
 from rewards.exec_match import ExecMatch, execution_match, normalize, results_match
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from agents.llm import OpenAIChat
+from agent.llm import OpenAIChat
 from backends.policy_server import PolicyServer
 from backends.trl.rollouts import flatten
 from tests.conftest import micro_tiny

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents.trajectory import Trajectory
+from agent.trajectory import Trajectory
 from data.preferences import PreferenceError, convert, sql_pairs
 from experiments.reward_model import load_reward_model
 from rewards.reward_model import RewardModelReward, Scorer, create_app

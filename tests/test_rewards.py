@@ -12,9 +12,9 @@ from fastapi import FastAPI
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from agents.llm import ScriptedChat
-from agents.rollout import evaluate
-from agents.trajectory import Trajectory
+from agent.llm import ScriptedChat
+from agent.rollout import evaluate
+from agent.trajectory import Trajectory
 from rewards.hybrid import Hybrid
 from rewards.llm_judge import LLMJudge, parse_score
 from rewards.rule import ExecutedSQL

@@ -9,8 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from agents.llm import ScriptedChat
-from agents.spider_sql import SpiderSQLAgent, check_says_correct, extract_sql
+from agent.llm import ScriptedChat
+from agent.spider_sql import SpiderSQLAgent, check_says_correct, extract_sql
 from data.spider import load_split
 from tests.conftest import ROOT
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.sql_tool import run_query, schema_text
+from agent.sql_tool import run_query, schema_text
 
 
 @pytest.fixture

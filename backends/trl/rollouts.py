@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agents.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
+from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from backends.policy_server import CallRecord, PolicyServer
 
 

@@ -19,8 +19,8 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from agents.llm import Message, ScriptedChat
-from agents.rollout import Agent
+from agent.llm import Message, ScriptedChat
+from agent.rollout import Agent
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from agents.llm import ChatModel
-from agents.trajectory import Trajectory
+from agent.llm import ChatModel
+from agent.trajectory import Trajectory
 
 
 class Agent(Protocol):

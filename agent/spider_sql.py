@@ -23,9 +23,9 @@ from typing import Any, TypedDict
 from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 
-from agents.llm import ChatModel, Message
-from agents.sql_tool import run_query, schema_text
-from agents.trajectory import Trajectory
+from agent.llm import ChatModel, Message
+from agent.sql_tool import run_query, schema_text
+from agent.trajectory import Trajectory
 
 _FENCED_BLOCK = re.compile(r"```(?:[A-Za-z]*)?\s*\n?(.*?)```", re.DOTALL)
 _VERDICT = re.compile(r"THE QUERY IS (CORRECT|INCORRECT)")

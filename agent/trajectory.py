@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agents.llm import Message
+from agent.llm import Message
 
 
 @dataclass
