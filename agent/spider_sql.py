@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, ClassVar, TypedDict
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
@@ -59,6 +59,8 @@ class _State(TypedDict):
 class SpiderSQLAgent:
     """Answers a Spider task (`question`, `db_path`) with SQL. Configured by `conf/agent/spider_sql.yaml`."""
 
+    task_kind: ClassVar[str] = "text_to_sql"
+
     max_turns: int
     check_step: bool
     system_prompt: str
@@ -72,6 +74,7 @@ class SpiderSQLAgent:
     result_max_rows: int = 20
     sql_timeout_s: float = 2.0
     dialect: str = "SQLite"
+    name: str = "spider_sql"
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

@@ -1,7 +1,7 @@
 """The SQL tool every agent and reward uses: read-only, one statement, bounded in time, rows and characters.
 
 A bad query never raises and never changes the database: it comes back as a `SQLResult` with `error` set, which the
-agent sees as tool text.
+agent sees as tool text. Agents that must write (DB-bench) write into a `ScratchDatabase`, their own copy in memory.
 """
 
 from __future__ import annotations
@@ -58,18 +58,8 @@ def connect_read_only(db_path: str | Path) -> sqlite3.Connection:
     return conn
 
 
-def run_query(
-    db_path: str | Path,
-    sql: str,
-    *,
-    timeout_s: float = 2.0,
-    max_rows: int = 1000,
-) -> SQLResult:
-    """Execute one read-only statement on `db_path` with a time limit enforced inside SQLite."""
-    try:
-        conn = connect_read_only(db_path)
-    except (FileNotFoundError, sqlite3.Error) as exc:
-        return SQLResult(error=str(exc))
+def execute(conn: sqlite3.Connection, sql: str, *, timeout_s: float, max_rows: int) -> SQLResult:
+    """Run one statement on `conn` with a time limit enforced inside SQLite; every failure is a `SQLResult` error."""
     deadline = time.monotonic() + timeout_s
     # Returning non-zero from the progress handler makes SQLite abort the running statement ("interrupted").
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_EVERY_N_OPS)
@@ -83,8 +73,77 @@ def run_query(
     except (sqlite3.Error, ValueError, OverflowError) as exc:
         return SQLResult(error=str(exc))
     finally:
-        conn.close()
+        conn.set_progress_handler(None, _PROGRESS_EVERY_N_OPS)
     return SQLResult(columns=columns, rows=rows[:max_rows], truncated=len(rows) > max_rows)
+
+
+def run_query(
+    db_path: str | Path,
+    sql: str,
+    *,
+    timeout_s: float = 2.0,
+    max_rows: int = 1000,
+) -> SQLResult:
+    """Execute one read-only statement on `db_path` with a time limit enforced inside SQLite."""
+    try:
+        conn = connect_read_only(db_path)
+    except (FileNotFoundError, sqlite3.Error) as exc:
+        return SQLResult(error=str(exc))
+    try:
+        return execute(conn, sql, timeout_s=timeout_s, max_rows=max_rows)
+    finally:
+        conn.close()
+
+
+class ScratchDatabase:
+    """A writable database that lives in memory for one rollout: an agent that may write (DB-bench) writes here.
+
+    Built from table rows or copied from a database file with SQLite's backup API; the source is never opened for
+    writing and nothing touches the disk. Statements run one per call, in autocommit mode, under the same time
+    limit and authorizer (no ATTACH, DETACH or PRAGMA) as the read-only tool.
+    """
+
+    def __init__(self) -> None:
+        self.conn = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+
+    @classmethod
+    def from_file(cls, db_path: str | Path) -> ScratchDatabase:
+        scratch = cls()
+        source = connect_read_only(db_path)
+        try:
+            source.backup(scratch.conn)
+        finally:
+            source.close()
+        scratch.conn.set_authorizer(_authorizer)
+        return scratch
+
+    @classmethod
+    def from_table(
+        cls, name: str, columns: list[tuple[str, str]], rows: list[list[object]] | list[tuple[object, ...]]
+    ) -> ScratchDatabase:
+        """One table `name` with `columns` as (name, SQL type) pairs, filled with `rows`."""
+        scratch = cls()
+        column_defs = ", ".join(f"{_quote_identifier(c)} {t}" for c, t in columns)
+        scratch.conn.execute(f"CREATE TABLE {_quote_identifier(name)} ({column_defs})")
+        marks = ", ".join("?" for _ in columns)
+        scratch.conn.executemany(f"INSERT INTO {_quote_identifier(name)} VALUES ({marks})", [tuple(r) for r in rows])
+        scratch.conn.set_authorizer(_authorizer)
+        return scratch
+
+    def run(self, sql: str, *, timeout_s: float = 2.0, max_rows: int = 1000) -> SQLResult:
+        return execute(self.conn, sql, timeout_s=timeout_s, max_rows=max_rows)
+
+    def table_rows(self, name: str) -> list[tuple]:
+        """Every row of table `name`, sorted: the state a write task is judged on."""
+        rows = self.conn.execute(f"SELECT * FROM {_quote_identifier(name)}").fetchall()
+        return sorted(rows, key=lambda row: [(v is None, str(type(v)), v if v is not None else 0) for v in row])
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _quote_identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def schema_text(db_path: str | Path, style: str = "sql") -> str:

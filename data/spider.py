@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pandas as pd
 
@@ -57,6 +57,8 @@ def load_split(spider_dir: str | Path, split: str) -> list[dict[str, Any]]:
 @dataclass
 class SpiderData:
     """Train and validation tasks from a directory in Spider's layout; generated there first when `generate` is set."""
+
+    task_kind: ClassVar[str] = "text_to_sql"
 
     name: str
     spider_dir: str | None

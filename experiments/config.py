@@ -74,3 +74,9 @@ def check_cross_group(built: dict[str, Any]) -> None:
             f"algorithm.max_response_length={algo.max_response_length}: with algorithm.max_prompt_length="
             f"{algo.max_prompt_length} it needs {total} tokens, more than model.context_length={model.context_length}"
         )
+    agent, data = built["agent"], built["data"]
+    if agent.task_kind != data.task_kind:
+        raise ConfigError(
+            f"agent={agent.name} answers {agent.task_kind} tasks; data={data.name} holds {data.task_kind} tasks "
+            "(pick a matching data=, or leave data= to the agent's default)"
+        )
