@@ -20,6 +20,8 @@ class Trajectory:
     execution_errors: int = 0
     last_execution_ok: bool = False
     error: str | None = None
+    # For agents that write (DB-bench): the rows of the task's table when the rollout ended.
+    db_state: list[list[Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

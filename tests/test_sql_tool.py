@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.sql_tool import run_query, schema_text
+from agent.sql_tool import ScratchDatabase, run_query, schema_text
 
 
 @pytest.fixture
@@ -92,3 +92,43 @@ def test_missing_database_is_an_error(tmp_path: Path) -> None:
 
 def test_schema_text_lists_create_statements(db: Path) -> None:
     assert schema_text(db).startswith("CREATE TABLE people")
+
+
+# ---- the writable copy in memory (DB-bench) ---------------------------------------------------------------------
+def test_writes_go_to_the_copy_in_memory_only(db: Path) -> None:
+    before = digest(db)
+    scratch = ScratchDatabase.from_file(db)
+    assert scratch.run("DELETE FROM people WHERE age > 30").ok
+    assert scratch.run('DROP TABLE "学生"').ok
+    assert scratch.table_rows("people") == [(3, "Cid", 27)]
+    other = ScratchDatabase.from_file(db)  # another rollout's copy starts from the file again
+    assert len(other.table_rows("people")) == 3
+    scratch.close()
+    other.close()
+    assert digest(db) == before
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "ATTACH DATABASE '/tmp/elsewhere.sqlite' AS other",
+        "PRAGMA writable_schema = ON",
+        "SELECT load_extension('/tmp/evil.so')",
+        "DELETE FROM people; DROP TABLE people",
+    ],
+)
+def test_the_copy_refuses_what_could_reach_outside(db: Path, sql: str) -> None:
+    scratch = ScratchDatabase.from_file(db)
+    result = scratch.run(sql)
+    assert not result.ok and result.to_text().startswith("Error: ")
+    assert len(scratch.table_rows("people")) == 3
+    assert not Path("/tmp/elsewhere.sqlite").exists()
+
+
+def test_the_copy_stops_a_runaway_query(db: Path) -> None:
+    scratch = ScratchDatabase.from_file(db)
+    sql = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) INSERT INTO people (age) SELECT x FROM c"
+    start = time.monotonic()
+    result = scratch.run(sql, timeout_s=0.5)
+    assert time.monotonic() - start < 2.0 and "time limit" in (result.error or "")
+    assert len(scratch.table_rows("people")) == 3  # the statement was rolled back whole

@@ -1,0 +1,95 @@
+"""The DB-bench agent (`agent=dbbench`): LifelongAgentBench's single-table tasks, in its protocol, on SQLite.
+
+Each reply either runs SQL (`Action: Operation` and a ```sql block) or ends (`Action: Answer` and a line
+`Final Answer: ...`). The agent may write: every rollout gets its own copy of the task's table in memory, built
+from the task's rows, so rollouts never see each other's writes and nothing touches the disk. The table's rows when
+the rollout ends go into the trajectory (`db_state`) for the reward. Where LifelongAgentBench ends a sample on a
+reply in neither form, this agent answers with `invalid_action_text` and goes on, within `max_turns`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from agent.llm import ChatModel, Message
+from agent.sql_tool import ScratchDatabase
+from agent.trajectory import Trajectory
+
+_ACTION = re.compile(r"Action:\s*(Operation|Answer)")
+_SQL = re.compile(r"```sql\s*\n?([\s\S]*?)\n?```")
+_FINAL = re.compile(r"Final Answer:(.*)", re.DOTALL)
+
+
+def scratch_for(task: dict[str, Any]) -> ScratchDatabase:
+    """The task's table (`table_info`: name, column_info_list, row_list) in a fresh in-memory database."""
+    info = task["table_info"]
+    columns = [(c["name"], c["type"]) for c in info["column_info_list"]]
+    return ScratchDatabase.from_table(info["name"], columns, info["row_list"])
+
+
+def parse_action(reply: str) -> tuple[str, str] | None:
+    """("sql", statement) or ("answer", text); None when the reply is in neither form."""
+    action = _ACTION.search(reply)
+    if action is None:
+        return None
+    if action.group(1) == "Operation":
+        sql = _SQL.search(reply, action.end())
+        return ("sql", sql.group(1).strip()) if sql else None
+    final = _FINAL.search(reply, action.end())
+    return ("answer", final.group(1).strip()) if final else None
+
+
+@dataclass
+class DBBenchAgent:
+    task_kind: ClassVar[str] = "dbbench"
+
+    system_prompt: str
+    task_prompt: str
+    invalid_action_text: str
+    name: str = "dbbench"
+    max_turns: int = 5  # model calls per rollout; the one turn limit every backend reads
+    sql_timeout_s: float = 2.0
+    result_max_rows: int = 50
+    result_max_chars: int = 1500
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}")
+
+    def first_messages(self, task: dict[str, Any]) -> list[Message]:
+        table = json.dumps(task["table_info"], ensure_ascii=False)
+        return [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": self.task_prompt.format(instruction=task["question"], table_info=table)},
+        ]
+
+    async def run(self, task: dict[str, Any], llm: ChatModel) -> Trajectory:
+        messages = self.first_messages(task)
+        trajectory = Trajectory(messages=messages)
+        db = scratch_for(task)
+        try:
+            while trajectory.turns < self.max_turns:
+                reply = await llm.chat(messages)
+                trajectory.turns += 1
+                messages.append({"role": "assistant", "content": reply})
+                action = parse_action(reply)
+                if action is None:
+                    messages.append({"role": "user", "content": self.invalid_action_text})
+                    continue
+                kind, content = action
+                if kind == "answer":
+                    trajectory.answer = content
+                    break
+                result = db.run(content, timeout_s=self.sql_timeout_s, max_rows=self.result_max_rows)
+                trajectory.final_sql = content
+                trajectory.executions += 1
+                trajectory.execution_errors += not result.ok
+                trajectory.last_execution_ok = result.ok
+                messages.append({"role": "user", "content": result.to_text(self.result_max_chars)})
+            trajectory.db_state = [list(row) for row in db.table_rows(task["table_info"]["name"])]
+        finally:
+            db.close()
+        return trajectory

@@ -1,0 +1,265 @@
+"""DB-bench single-skill tasks in LifelongAgentBench's `entry_dict.json` format, run on SQLite (`data=dbbench`).
+
+    <data_dir>/entry_dict.json   {"<index>": {"instruction", "table_info": {"name", "row_list", "column_info_list":
+                                 [{"name", "type"}]}, "answer_info": {"md5", "direct", "sql"}, "skill_list"}, ...}
+
+The real file (HF csyq/LifelongAgentBench, db_bench) loads as it is. `generate` writes a set of the same shape:
+one table per task (employees, products, students, orders) with 6-12 rows, and one skill per task: select with a
+condition, order by + limit, aggregation, group by, insert, update, delete. SELECT tasks carry their answer rows in
+`direct`; write tasks carry `md5`, a hash of the table after the gold SQL (computed here in SQLite, whereas
+LifelongAgentBench computed it in MySQL; the reward therefore replays the gold SQL on a fresh copy and compares
+table contents, which works for both).
+
+Usage: ``python -m data.dbbench OUT_DIR [--seed S --n N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from agent.dbbench import scratch_for
+from rewards.dbbench_match import DBBenchMatch
+
+GENERATOR_VERSION = 1
+ENTRY_FILE = "entry_dict.json"
+
+Row = list[Any]
+
+FIRST = ["Alice", "Bob", "Chen", "Dana", "Eve", "Farid", "Grace", "Hiro", "Ivan", "Jia", "Kofi", "Lena", "Mo", "Nia"]
+DEPARTMENTS = ["Sales", "Engineering", "Support", "Finance", "Marketing"]
+CATEGORIES = ["Books", "Garden", "Toys", "Kitchen", "Sports"]
+PRODUCTS = ["Lamp", "Kettle", "Rake", "Puzzle", "Racket", "Atlas", "Shovel", "Blender", "Kite", "Novel", "Ball", "Pan"]
+MAJORS = ["Physics", "History", "Biology", "Economics", "Music"]
+CITIES = ["Lyon", "Osaka", "Lima", "Accra", "Perth", "Oslo"]
+
+
+@dataclass(frozen=True)
+class _Table:
+    name: str
+    columns: list[tuple[str, str]]  # (name, type): the first is the key, the second a name, then category, numbers
+    make_row: Callable[[random.Random, int], Row]
+    noun: str
+
+
+TABLES = [
+    _Table(
+        "employees",
+        [("id", "INT"), ("name", "TEXT"), ("department", "TEXT"), ("salary", "INT"), ("age", "INT")],
+        lambda r, i: [
+            i,
+            f"{r.choice(FIRST)} {chr(65 + i)}.",
+            r.choice(DEPARTMENTS),
+            r.randrange(3000, 9000, 100),
+            r.randint(22, 60),
+        ],
+        "employee",
+    ),
+    _Table(
+        "products",
+        [("id", "INT"), ("name", "TEXT"), ("category", "TEXT"), ("price", "INT"), ("stock", "INT")],
+        lambda r, i: [i, f"{r.choice(PRODUCTS)} {i}", r.choice(CATEGORIES), r.randint(5, 200), r.randint(0, 80)],
+        "product",
+    ),
+    _Table(
+        "students",
+        [("id", "INT"), ("name", "TEXT"), ("major", "TEXT"), ("score", "INT"), ("year", "INT")],
+        lambda r, i: [i, f"{r.choice(FIRST)} {chr(65 + i)}.", r.choice(MAJORS), r.randint(40, 100), r.randint(1, 4)],
+        "student",
+    ),
+    _Table(
+        "orders",
+        [("id", "INT"), ("customer", "TEXT"), ("city", "TEXT"), ("amount", "INT"), ("quantity", "INT")],
+        lambda r, i: [i, f"{r.choice(FIRST)} {chr(65 + i)}.", r.choice(CITIES), r.randint(10, 500), r.randint(1, 9)],
+        "order",
+    ),
+]
+
+
+def _q(value: Any) -> str:
+    return "'" + str(value).replace("'", "''") + "'" if isinstance(value, str) else str(value)
+
+
+def _task(table: _Table, rows: list[Row], skill: str, rng: random.Random) -> tuple[str, str, list[str]]:
+    """(instruction, gold SQL, skills) for one skill on one table."""
+    t = table.name
+    key, name, cat, num, num2 = (c for c, _ in table.columns)
+    row = rng.choice(rows)
+    if skill == "select":
+        return (
+            f"What is the {name} of every row in the {t} table whose {cat} is '{row[2]}'?",
+            f"SELECT {name} FROM {t} WHERE {cat} = {_q(row[2])}",
+            ["select", "where_single_condition"],
+        )
+    if skill == "order_limit":
+        k = rng.randint(1, 3)
+        return (
+            f"List the {name} of the {k} {table.noun}(s) with the highest {num} in the {t} table, highest first.",
+            f"SELECT {name} FROM {t} ORDER BY {num} DESC, {key} LIMIT {k}",
+            ["select", "order_by_single_column", "limit_only"],
+        )
+    if skill == "aggregate":
+        return (
+            f"What is the total {num} of all {table.noun}s whose {cat} is '{row[2]}' in the {t} table?",
+            f"SELECT SUM({num}) FROM {t} WHERE {cat} = {_q(row[2])}",
+            ["select", "where_single_condition"],
+        )
+    if skill == "group_by":
+        return (
+            f"For each {cat} in the {t} table, how many {table.noun}s are there? Give ({cat}, count) pairs by {cat}.",
+            f"SELECT {cat}, COUNT(*) FROM {t} GROUP BY {cat} ORDER BY {cat}",
+            ["select", "group_by_single_column"],
+        )
+    if skill == "insert":
+        new = table.make_row(rng, len(rows) + 1)
+        values = ", ".join(f"{c} {_q(v)}" for (c, _), v in zip(table.columns, new, strict=True))
+        return (
+            f"Add a new {table.noun} to the {t} table with {values}.",
+            f"INSERT INTO {t} ({', '.join(c for c, _ in table.columns)}) VALUES ({', '.join(_q(v) for v in new)})",
+            ["insert"],
+        )
+    if skill == "update":
+        value = row[3] + rng.choice([-5, 5, 10, 50])
+        return (
+            f"In the {t} table, set {num} to {value} where {name} is '{row[1]}'.",
+            f"UPDATE {t} SET {num} = {value} WHERE {name} = {_q(row[1])}",
+            ["update", "where_single_condition"],
+        )
+    if skill == "delete":
+        return (
+            f"Remove every {table.noun} with {num2} below {row[4]} from the {t} table.",
+            f"DELETE FROM {t} WHERE {num2} < {row[4]}",
+            ["delete", "where_single_condition"],
+        )
+    raise ValueError(f"unknown skill {skill!r}")
+
+
+SKILLS = ["select", "order_limit", "aggregate", "group_by", "insert", "update", "delete"]
+
+
+def table_md5(rows: list[tuple]) -> str:
+    """A hash of a table's contents in LifelongAgentBench's shape: md5 over the sorted 5-character row hashes."""
+    row_hashes = sorted(hashlib.md5(",".join(map(str, r)).encode()).hexdigest()[:5] for r in rows)
+    return hashlib.md5(",".join(row_hashes).encode()).hexdigest()
+
+
+def _entry(table: _Table, skill: str, rng: random.Random) -> dict[str, Any]:
+    rows = [table.make_row(rng, i) for i in range(1, rng.randint(6, 12) + 1)]
+    instruction, sql, skills = _task(table, rows, skill, rng)
+    entry = {
+        "instruction": instruction,
+        "table_info": {
+            "name": table.name,
+            "row_list": rows,
+            "column_info_list": [{"name": c, "type": t} for c, t in table.columns],
+        },
+        "answer_info": {"md5": None, "direct": None, "sql": sql},
+        "skill_list": skills,
+    }
+    scratch = scratch_for(entry)
+    try:
+        result = scratch.run(sql)
+        if not result.ok:
+            raise RuntimeError(f"generated SQL failed: {sql}: {result.error}")
+        if sql.startswith("SELECT"):
+            entry["answer_info"]["direct"] = [list(r) for r in result.rows]
+        else:
+            entry["answer_info"]["md5"] = table_md5(scratch.table_rows(table.name))
+    finally:
+        scratch.close()
+    return entry
+
+
+def generate(out_dir: str | Path, *, seed: int = 0, n: int = 300) -> Path:
+    """Write `n` tasks (skills in turn, tables drawn) to `out_dir/entry_dict.json` unless the same set is there."""
+    out = Path(out_dir)
+    meta = {"version": GENERATOR_VERSION, "seed": seed, "n": n}
+    meta_file = out / "_meta.json"
+    if meta_file.is_file() and json.loads(meta_file.read_text(encoding="utf-8")) == meta:
+        return out
+    rng = random.Random(seed)
+    entries = {str(i): _entry(rng.choice(TABLES), SKILLS[i % len(SKILLS)], rng) for i in range(n)}
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{ENTRY_FILE}.tmp"
+    tmp.write_text(json.dumps(entries, ensure_ascii=False, indent=1), encoding="utf-8")
+    tmp.replace(out / ENTRY_FILE)
+    meta_file.write_text(json.dumps(meta), encoding="utf-8")
+    return out
+
+
+def load_entries(data_dir: str | Path, entry_file: str = ENTRY_FILE) -> list[dict[str, Any]]:
+    """Tasks from an `entry_dict.json`: the entry's fields plus `id`, `question`, `db_id` and `query` (gold SQL)."""
+    path = Path(data_dir) / entry_file
+    if not path.is_file():
+        raise FileNotFoundError(f"no DB-bench tasks: {path} does not exist")
+    entries = json.loads(path.read_text(encoding="utf-8"))
+    tasks = []
+    for key in sorted(entries, key=lambda k: (len(k), k)):
+        entry = entries[key]
+        tasks.append(
+            {
+                "id": key,
+                "question": entry["instruction"],
+                "db_id": entry["table_info"]["name"],
+                "query": entry["answer_info"]["sql"].strip(),
+                **entry,
+            }
+        )
+    return tasks
+
+
+@dataclass
+class DBBenchData:
+    """DB-bench tasks from `data_dir/entry_file`; the last `val_size` entries (in index order) validate."""
+
+    task_kind: ClassVar[str] = "dbbench"
+
+    name: str
+    data_dir: str
+    entry_file: str = ENTRY_FILE
+    val_size: int = 50
+    val_limit: int | None = None
+    generate: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.generate is None and not (Path(self.data_dir) / self.entry_file).is_file():
+            raise FileNotFoundError(f"data.data_dir={self.data_dir} holds no {self.entry_file}")
+        if self.val_size <= 0:
+            raise ValueError(f"data.val_size must be > 0, got {self.val_size}")
+
+    def _tasks(self) -> list[dict[str, Any]]:
+        if self.generate is not None:
+            generate(self.data_dir, **self.generate)
+        tasks = load_entries(self.data_dir, self.entry_file)
+        if len(tasks) <= self.val_size:
+            raise ValueError(f"data.val_size={self.val_size} leaves no training tasks out of {len(tasks)}")
+        return tasks
+
+    def metric(self) -> DBBenchMatch:
+        return DBBenchMatch()
+
+    def train_tasks(self) -> list[dict[str, Any]]:
+        return self._tasks()[: -self.val_size]
+
+    def val_tasks(self) -> list[dict[str, Any]]:
+        tasks = self._tasks()[-self.val_size :]
+        return tasks[: self.val_limit] if self.val_limit else tasks
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n", type=int, default=300)
+    args = parser.parse_args(argv)
+    print(generate(args.out_dir, seed=args.seed, n=args.n))
+
+
+if __name__ == "__main__":
+    main()
