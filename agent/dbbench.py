@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from agent.llm import ChatModel, Message
+from agent.scripted import Reply, say
 from agent.sql_tool import ScratchDatabase
 from agent.trajectory import Trajectory
 
@@ -28,6 +30,11 @@ def scratch_for(task: dict[str, Any]) -> ScratchDatabase:
     info = task["table_info"]
     columns = [(c["name"], c["type"]) for c in info["column_info_list"]]
     return ScratchDatabase.from_table(info["name"], columns, info["row_list"])
+
+
+def operation(sql: str) -> str:
+    """A reply that runs `sql`, in the protocol's form."""
+    return f"Action: Operation\n```sql\n{sql}\n```"
 
 
 def parse_action(reply: str) -> tuple[str, str] | None:
@@ -59,12 +66,30 @@ class DBBenchAgent:
         if self.max_turns < 1:
             raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}")
 
+    def oracle(self, task: dict[str, Any], wrong: str | None = None) -> list[Reply]:
+        """The replies of a model that knows the answer (SFT demonstrations): run the gold SQL, then answer; with a
+        wrong SELECT (on a question, with a turn to spare), that one first."""
+        direct = task["answer_info"]["direct"]
+        final = repr([tuple(row) for row in direct]) if direct is not None else "done"
+        replies = [say(operation(task["query"])), say(f"Action: Answer\nFinal Answer: {final}")]
+        if wrong is not None and direct is not None and wrong.upper().startswith("SELECT") and self.max_turns >= 3:
+            replies.insert(0, say(operation(wrong)))
+        return replies
+
     def first_messages(self, task: dict[str, Any]) -> list[Message]:
         table = json.dumps(task["table_info"], ensure_ascii=False)
         return [
             {"role": "system", "content": self.system_prompt},
             {"role": "user", "content": self.task_prompt.format(instruction=task["question"], table_info=table)},
         ]
+
+    @staticmethod
+    def _state(db: ScratchDatabase, table: str) -> list[list[Any]] | None:
+        """The table's rows; None when the agent dropped or renamed it (a write task then scores 0)."""
+        try:
+            return [list(row) for row in db.table_rows(table)]
+        except sqlite3.Error:
+            return None
 
     async def run(self, task: dict[str, Any], llm: ChatModel) -> Trajectory:
         messages = self.first_messages(task)
@@ -89,7 +114,7 @@ class DBBenchAgent:
                 trajectory.execution_errors += not result.ok
                 trajectory.last_execution_ok = result.ok
                 messages.append({"role": "user", "content": result.to_text(self.result_max_chars)})
-            trajectory.db_state = [list(row) for row in db.table_rows(task["table_info"]["name"])]
+            trajectory.db_state = self._state(db, task["table_info"]["name"])
         finally:
             db.close()
         return trajectory

@@ -27,6 +27,7 @@ from agents import (
 from agents.models.chatcmpl_converter import Converter
 
 from agent.llm import ChatModel, OpenAIChat
+from agent.scripted import ReplayChat, Reply, call, say
 from agent.sql_tool import run_query
 from agent.trajectory import Trajectory
 
@@ -60,8 +61,16 @@ class MedSQLAgent:
 
         return function_tool(query_database_by_sql, name_override=TOOL_NAME, description_override=self.tool_description)
 
+    def oracle(self, task: dict[str, Any], wrong: str | None = None) -> list[Reply]:
+        """The replies of a model that knows the answer (SFT demonstrations): query with the gold SQL, answer with
+        what it returns; with `wrong` (and a turn to spare), a wrong query first."""
+        replies = [call(TOOL_NAME, sql=task["query"]), say(task["answer"])]
+        if wrong is not None and self.max_turns >= 3:
+            replies.insert(0, call(TOOL_NAME, sql=wrong))
+        return replies
+
     async def run(self, task: dict[str, Any], llm: ChatModel) -> Trajectory:
-        if not isinstance(llm, OpenAIChat):
+        if not isinstance(llm, OpenAIChat | ReplayChat):
             raise TypeError("agent=med_sql calls tools through an OpenAI-compatible endpoint; it needs an OpenAIChat")
         executions: list[bool] = []
         sampling = {k: v for k, v in llm.sampling.items() if k in _SAMPLING_KEYS}

@@ -24,10 +24,12 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 
 from agent.llm import ChatModel, Message
+from agent.scripted import Reply, say
 from agent.sql_tool import run_query, schema_text
 from agent.trajectory import Trajectory
 
 _FENCED_BLOCK = re.compile(r"```(?:[A-Za-z]*)?\s*\n?(.*?)```", re.DOTALL)
+CORRECT, INCORRECT = "THE QUERY IS CORRECT", "THE QUERY IS INCORRECT"
 _VERDICT = re.compile(r"THE QUERY IS (CORRECT|INCORRECT)")
 
 
@@ -95,6 +97,16 @@ class SpiderSQLAgent:
         graph.add_conditional_edges("check_query", self._after_check, ["rewrite_query", END])
         graph.add_edge("rewrite_query", "execute_query")
         return graph.compile()
+
+    def oracle(self, task: dict[str, Any], wrong: str | None = None) -> list[Reply]:
+        """The replies of a model that knows the answer (SFT demonstrations): the gold SQL and the right verdict;
+        with `wrong` (and a check step and a turn to spare), first a wrong query, INCORRECT and a rewrite."""
+        gold = say(f"```sql\n{task['query']}\n```")
+        if not self.check_step:
+            return [gold]
+        if wrong is None or self.max_turns < 2:
+            return [gold, say(CORRECT)]
+        return [say(f"```sql\n{wrong}\n```"), say(INCORRECT), gold, say(CORRECT)]
 
     def first_messages(self, task: dict[str, Any]) -> list[Message]:
         """The conversation the agent opens with: system prompt and the question with the schema."""

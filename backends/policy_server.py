@@ -6,9 +6,14 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
 - Each rollout gets its own base URL, `/rollouts/<id>/v1`, so calls are attributed without the agent knowing.
 - Requests from concurrent rollouts are generated together: a batch starts when every active rollout is waiting on
   the model (or after `batch_wait_s`), so the agents of one training step share one `generate` call per turn.
-- Lengths are per rollout, as the trainer sees them: the first prompt is at most `max_prompt_tokens`, and everything
-  after it (all replies, and the text added between turns) at most `max_response_tokens`. A call made after the
-  budget is spent gets an empty reply with `finish_reason="length"`.
+- Lengths are per rollout, as the trainer sees them: the first prompt is at most `max_prompt_tokens` (else HTTP 400),
+  and everything after it (all replies, and the text added between turns) at most `max_response_tokens`. A call made
+  after the budget is spent gets an empty reply with `finish_reason="length"`, and so does a later call that does not
+  continue the rollout's sequence (the model emitted text its chat template cannot reproduce) and is too long to
+  start a new one.
+- Tools: a request's `tools` go into the chat template, and a reply in the model's tool-call format (hermes:
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) comes back as OpenAI `tool_calls`; the assistant's
+  tool calls in later requests are rendered back by the same template, so the token sequence stays continuous.
 - When a call's messages extend the previous call of the same rollout (previous prompt, the reply, new messages),
   its prompt ids are the previous prompt and reply ids followed by the tokens of the new text only. The model thus
   continues from exactly the tokens it sampled (no re-tokenization drift), and a rollout forms one token sequence.
@@ -17,6 +22,8 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,6 +49,7 @@ class ChatRequest(BaseModel):
     top_p: float = 1.0
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -146,8 +154,9 @@ class PolicyServer:
 
     async def _complete(self, rollout_id: str, request: ChatRequest) -> dict[str, Any]:
         state = self.rollouts.setdefault(rollout_id, _RolloutState())
-        prompt_ids, reused = self._prompt_ids(state, request.messages)
-        if reused == 0 and len(prompt_ids) > self.max_prompt_tokens:
+        prompt_ids, reused = self._prompt_ids(state, request.messages, request.tools)
+        too_long = reused == 0 and len(prompt_ids) > self.max_prompt_tokens
+        if too_long and not state.records:
             raise HTTPException(
                 status_code=400,
                 detail=f"prompt of {len(prompt_ids)} tokens is longer than the limit of {self.max_prompt_tokens}",
@@ -155,6 +164,8 @@ class PolicyServer:
         # A rollout's response budget covers all its turns: what it generated and what was added between turns.
         first_prompt = state.records[0].prompt_ids if reused else prompt_ids
         budget = self.max_response_tokens - (len(prompt_ids) - len(first_prompt))
+        if too_long:  # a later call that does not continue the rollout's sequence (its sample ends before this
+            budget = 0  # call) and is too long to start one: it ends the rollout like a spent budget
         wanted = request.max_completion_tokens or request.max_tokens or self.max_response_tokens
         if budget <= 0:  # the rollout has used its budget: answer at once, as a generation cut by length
             completion_ids, finish_reason = [], "length"
@@ -168,16 +179,17 @@ class PolicyServer:
             completion_ids, finish_reason = await pending.future
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
         state.records.append(CallRecord(prompt_ids, completion_ids, reused, finish_reason))
-        rendered_prompt = self._render(request.messages)
+        rendered_prompt = self._render(request.messages, request.tools)
         state.last_text = rendered_prompt + self.tokenizer.decode(completion_ids, skip_special_tokens=False)
+        message = parse_tool_calls(text) if request.tools else {"role": "assistant", "content": text}
+        if "tool_calls" in message and finish_reason == "stop":
+            finish_reason = "tool_calls"
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": request.model,
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
             "usage": {
                 "prompt_tokens": len(prompt_ids),
                 "completion_tokens": len(completion_ids),
@@ -185,11 +197,15 @@ class PolicyServer:
             },
         }
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return self.tokenizer.apply_chat_template(
+            [for_template(m) for m in messages], tools=tools, tokenize=False, add_generation_prompt=True
+        )
 
-    def _prompt_ids(self, state: _RolloutState, messages: list[dict[str, Any]]) -> tuple[list[int], int]:
-        text = self._render(messages)
+    def _prompt_ids(
+        self, state: _RolloutState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[list[int], int]:
+        text = self._render(messages, tools)
         if state.records and state.last_text and text.startswith(state.last_text):
             last = state.records[-1]
             prefix = last.prompt_ids + last.completion_ids
@@ -281,3 +297,57 @@ def _as_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> dict[str, Any]:
+    """An assistant message from generated text: hermes-style `<tool_call>` blocks become OpenAI `tool_calls`.
+
+    A block that is not a JSON object with a `name` and object `arguments` stays in the text, where the agent sees it.
+    """
+    calls, kept, last = [], [], 0
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+            name, arguments = call["name"], call.get("arguments", {})
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                raise TypeError("not a tool call")
+        except (ValueError, KeyError, TypeError):
+            continue
+        kept.append(text[last : match.start()])
+        last = match.end()
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+        )
+    if not calls:
+        return {"role": "assistant", "content": text}
+    content = ("".join(kept) + text[last:]).strip()
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+def for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI message -> what chat templates expect: tool-call arguments as objects, no None content."""
+    out = dict(message)
+    if out.get("content") is None:
+        out["content"] = ""
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
+            for c in out["tool_calls"]
+        ]
+    return out
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

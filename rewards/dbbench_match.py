@@ -24,7 +24,7 @@ def parse_rows(answer: str) -> list[tuple[Any, ...]]:
     text = answer.strip()
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except Exception:  # anything a model writes: SyntaxError, unhashable set members (TypeError), deep nesting, ...
         return [tuple(part.strip().strip("'\"") for part in text.split(","))] if text else []
     if isinstance(value, list | tuple) and value and all(isinstance(v, list | tuple) for v in value):
         return [tuple(v) for v in value]
@@ -37,7 +37,7 @@ def _same_value(agent: Any, gold: Any) -> bool:
     if isinstance(gold, int | float) and not isinstance(gold, bool):
         try:
             return math.isclose(float(agent), float(gold), rel_tol=1e-6, abs_tol=1e-6)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return False
     return str(agent) == str(gold)
 
@@ -49,7 +49,7 @@ def _same_row(agent: tuple[Any, ...], gold: tuple[Any, ...]) -> bool:
 def _canonical_value(value: Any) -> str:
     try:
         return f"{float(value):.6g}"
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return str(value)
 
 

@@ -20,8 +20,9 @@ from models.tiny import TinyModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A GRPO run small enough for a test (conf/experiment/smoke.yaml): 5 SFT steps, 2 tasks x 2 rollouts, 2 steps.
-FAST_RUN = ["experiment=smoke"]
+# A GRPO run small enough for a test (conf/experiment/smoke.yaml: 5 SFT steps, 2 tasks x 2 rollouts, 2 steps) with the
+# Spider agent's multi-turn path (check, rewrite: tool text between turns masked from the loss) on a small data set.
+FAST_RUN = ["experiment=smoke", "agent.check_step=true", "data.generate.n_train=120", "data.generate.n_dev=8"]
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +36,20 @@ def spider_mini_dir(cache_dir: Path) -> Path:
     from data import spider_mini
 
     return spider_mini.generate(cache_dir / "spider_mini", seed=0, n_train=120, n_dev=8)
+
+
+@pytest.fixture(scope="session")
+def med_qa_dir(cache_dir: Path) -> Path:
+    from data import med_qa
+
+    return med_qa.generate(cache_dir / "med_qa", seed=0, n_train=40, n_val=10)
+
+
+@pytest.fixture(scope="session")
+def dbbench_dir(cache_dir: Path) -> Path:
+    from data import dbbench
+
+    return dbbench.generate(cache_dir / "dbbench", seed=0, n=28)
 
 
 def micro_tiny(cache_dir: Path) -> TinyModel:

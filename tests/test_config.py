@@ -24,13 +24,18 @@ def compose_with(*overrides: str) -> DictConfig:
         return compose("config", overrides=list(overrides))
 
 
-# Options that need a model other than the default tiny one (whose context is 1024 tokens).
-NEEDS_MODEL = {("algorithm", "grpo"): "model=qwen7b"}
+# Options that need another option: a model other than the default tiny one (whose context is 1024 tokens), or the
+# agent that answers the data set's tasks.
+NEEDS = {
+    ("algorithm", "grpo"): "model=qwen7b",
+    ("data", "med_qa"): "agent=med_sql",
+    ("data", "dbbench"): "agent=dbbench",
+}
 
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_builds(group: str, option: str, spider_mini_dir: Path) -> None:
-    overrides = [f"{group}={option}", *([NEEDS_MODEL[group, option]] if (group, option) in NEEDS_MODEL else [])]
+    overrides = [f"{group}={option}", *([NEEDS[group, option]] if (group, option) in NEEDS else [])]
     cfg = compose_with(*overrides)
     if cfg.data.name == "spider":  # the real Spider is not here: its loader reads the generated set in its layout
         cfg = compose_with(*overrides, f"data.spider_dir={spider_mini_dir}")
@@ -112,3 +117,22 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     result = launch(["--cfg", "job", "model=qwen7b", "finetune=lora"], tmp_path / "cache", tmp_path / "out")
     assert result.returncode == 0, result.stderr
     assert "hub_id: Qwen/Qwen2.5-7B-Instruct" in result.stdout and "rank: 32" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("agent", "data", "reward"),
+    [
+        ("spider_sql", "spider_mini", "exec_match"),
+        ("med_sql", "med_qa", "answer_match"),
+        ("dbbench", "dbbench", "dbbench_match"),
+    ],
+)
+def test_an_agent_brings_its_data_and_reward(agent: str, data: str, reward: str) -> None:
+    cfg = compose_with(f"agent={agent}")
+    assert (cfg.agent.name, cfg.data.name, cfg.reward.name) == (agent, data, reward)
+    assert compose_with(f"agent={agent}", "reward=rule").reward.name == "rule"  # the command line still decides
+
+
+def test_an_agent_and_data_of_different_kinds_fail_naming_both() -> None:
+    with pytest.raises(ConfigError, match=r"agent=med_sql answers med_qa tasks; data=spider_mini"):
+        build_components(compose_with("agent=med_sql", "data=spider_mini"))

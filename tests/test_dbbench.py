@@ -14,16 +14,11 @@ from hydra.utils import instantiate
 from agent.dbbench import DBBenchAgent, parse_action, scratch_for
 from agent.llm import ScriptedChat
 from agent.rollout import evaluate
+from agent.scripted import Reply, say, scripted_app, turn
 from agent.trajectory import Trajectory
 from data import dbbench
 from rewards.dbbench_match import DBBenchMatch, parse_rows
 from tests.conftest import ROOT, launch, serve
-from tests.scripted import Reply, say, scripted_app, turn
-
-
-@pytest.fixture(scope="session")
-def dbbench_dir(cache_dir: Path) -> Path:
-    return dbbench.generate(cache_dir / "dbbench", seed=0, n=28)
 
 
 @pytest.fixture
@@ -102,6 +97,13 @@ def test_parse_rows() -> None:
     assert parse_rows("[(3,)]") == [(3,)] and parse_rows("3") == [(3,)] and parse_rows("('x', 2)") == [("x", 2)]
     assert parse_rows("['a', 'b']") == [("a",), ("b",)]
     assert parse_rows("Lyon, 3") == [("Lyon", "3")]
+    assert parse_rows("{[1]}") == [("{[1]}",)]  # what a sampling model writes must never raise
+
+
+def test_odd_answers_score_zero_without_raising(tasks: list[dict[str, Any]]) -> None:
+    question = by_kind(tasks, write=False)
+    for odd in ["{[1]}", "9" * 400, "[(" * 200, "", "None", "[{'a': [1]}]"]:
+        assert DBBenchMatch()(question, Trajectory(answer=odd)) == 0.0
 
 
 def test_select_answers_compare_as_rows(tasks: list[dict[str, Any]]) -> None:
@@ -203,3 +205,9 @@ def test_evaluate_runs_it_unchanged(agent: DBBenchAgent, tasks: list[dict[str, A
     chats = [ScriptedChat([operation(t["query"]), answer(t)]) for t in tasks]
     summary, _ = asyncio.run(evaluate(agent, tasks, lambda i: chats[i], DBBenchMatch()))
     assert summary.accuracy == 1.0 and summary.n == len(tasks)
+
+
+def test_a_dropped_table_scores_zero_and_is_no_error(agent: DBBenchAgent, tasks: list[dict[str, Any]]) -> None:
+    task = by_kind(tasks, write=True)
+    trajectory, reward = run(agent, task, [operation(f"DROP TABLE {task['db_id']}"), answer(task)])
+    assert trajectory.error is None and trajectory.db_state is None and reward == 0.0

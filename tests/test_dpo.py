@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.conftest import launch
+from tests.conftest import FAST_RUN, launch
 
 
 def test_dpo_widens_the_margin(cache_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    result = launch(["job=dpo", "experiment=smoke", "job.steps=30", f"hydra.run.dir={run}"], cache_dir, tmp_path)
+    result = launch(["job=dpo", *FAST_RUN, "job.steps=30", f"hydra.run.dir={run}"], cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 30

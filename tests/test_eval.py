@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, HTTPException
 
-from tests.conftest import free_port, launch, serve
+from tests.conftest import FAST_RUN, free_port, launch, serve
 
 FAILING_QUESTION_INDEX = 1  # the server answers this dev question with HTTP 500
 
@@ -54,7 +54,7 @@ def server(spider_mini_dir: Path) -> Iterator[str]:
 
 def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["job=eval", "experiment=smoke", f"endpoint.base_url={server}", "endpoint.concurrency=3"]
+    args = ["job=eval", *FAST_RUN, f"endpoint.base_url={server}", "endpoint.concurrency=3"]
     result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "eval" / "summary.json").read_text())
@@ -68,7 +68,7 @@ def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cach
 
 def test_eval_limit(server: str, cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["job=eval", "experiment=smoke", f"endpoint.base_url={server}", "endpoint.limit=1"]
+    args = ["job=eval", *FAST_RUN, f"endpoint.base_url={server}", "endpoint.limit=1"]
     result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((run_dir / "eval" / "summary.json").read_text())["n"] == 1
@@ -76,7 +76,7 @@ def test_eval_limit(server: str, cache_dir: Path, tmp_path: Path) -> None:
 
 def test_an_unreachable_endpoint_fails_before_any_task(cache_dir: Path, tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"
-    result = launch(["job=eval", "experiment=smoke", f"endpoint.base_url={url}"], cache_dir, tmp_path)
+    result = launch(["job=eval", *FAST_RUN, f"endpoint.base_url={url}"], cache_dir, tmp_path)
     assert result.returncode != 0
     assert f"endpoint.base_url={url} is not reachable" in result.stderr + result.stdout
     assert not list(tmp_path.rglob("records.jsonl"))

@@ -55,7 +55,7 @@ def test_turns_chain_into_one_sequence_with_added_text_masked(tiny) -> None:
 
 
 def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
-    server = server_for(tiny)
+    server = server_for(tiny, batch_wait_s=30.0)  # only "every active rollout is waiting" starts a batch: no timing
     chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(8)]
 
     async def run_all() -> None:
@@ -103,3 +103,17 @@ def test_flatten_stops_at_a_call_that_does_not_continue(tiny, tmp_path: Path) ->
     assert calls[1].reused_prefix == 0
     sample = flatten(calls, max_completion_tokens=1000, pad_id=0)
     assert not sample.continuous and sample.completion_ids == calls[0].completion_ids
+
+
+def test_a_later_call_that_breaks_the_sequence_ends_the_rollout_instead_of_failing(tiny) -> None:
+    server = server_for(tiny, max_prompt_tokens=80)
+    chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 4})
+    long_text = " ".join(["What is in the table?"] * 30)
+
+    async def restart() -> list[str]:
+        first = await chat.chat([{"role": "user", "content": "Hi"}])
+        return [first, await chat.chat([{"role": "user", "content": long_text}])]  # not a continuation, too long
+
+    _, second = asyncio.run(restart())
+    calls = server.pop_records("r0")
+    assert second == "" and calls[1].finish_reason == "length" and calls[1].completion_ids == []

@@ -13,9 +13,9 @@ from agent.trajectory import Trajectory
 from data.preferences import PreferenceError, convert, sql_pairs
 from experiments.reward_model import load_reward_model
 from rewards.reward_model import RewardModelReward, Scorer, create_app
-from tests.conftest import free_port, launch, serve
+from tests.conftest import FAST_RUN, free_port, launch, serve
 
-TRAIN = ["job=reward_model_train", "experiment=smoke", "job.steps=150", "job.eval_pairs=60"]
+TRAIN = ["job=reward_model_train", *FAST_RUN, "job.steps=150", "job.eval_pairs=60"]
 
 
 def test_convert_accepts_aliases_and_lists_every_bad_record() -> None:

@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import FAST_RUN, launch
 
 
@@ -65,3 +67,23 @@ def test_a_two_seed_sweep_gives_one_run_directory_each(cache_dir: Path, tmp_path
     loaded = [json.loads(p.read_text()) for p in summaries]
     assert all(s["status"] == "completed" for s in loaded)
     assert ["seed=0" in s["overrides"] for s in loaded] == [True, False]
+
+
+# The other agents, unchanged, through the same backend: small data, SFT demonstrations from their oracles.
+OTHER_AGENTS = {
+    "med_sql": ["agent=med_sql", "data.generate.n_train=34", "data.generate.n_val=6"],
+    "dbbench": ["agent=dbbench", "data.generate.n=40", "data.val_size=6"],
+}
+
+
+@pytest.mark.parametrize("agent", sorted(OTHER_AGENTS))
+def test_grpo_runs_every_agent(agent: str, cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch(["experiment=smoke", *OTHER_AGENTS[agent], f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert summary["sft"]["demonstrations"] == 34  # every training task gave one
+    assert summary["val_final"]["n"] == 6 and summary["val_final"]["errors"] == 0
+    metrics = metrics_of(run_dir)
+    assert all(m["rollout/agent_error_rate"] == 0.0 for m in metrics[1:])

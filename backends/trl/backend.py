@@ -23,7 +23,7 @@ from trl import GRPOConfig, GRPOTrainer
 from backends.policy_server import PolicyServer
 from backends.setup import TrainSetup
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
-from backends.trl.sft import SFTWarmstart
+from backends.trl.sft import SFTWarmstart, demonstration_texts
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -54,8 +54,8 @@ class TRLBackend:
         warm = isinstance(setup.warmstart, SFTWarmstart)
         demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed) if warm else []
 
-        corpus = [m["content"] for conv in demos for m in conv] or [t["query"] for t in train_tasks]
-        corpus += [m["content"] for t in val_tasks for m in setup.agent.first_messages(t)]
+        corpus = [text for demo in demos for text in demonstration_texts(demo)] or [t["query"] for t in train_tasks]
+        corpus += [t["question"] for t in val_tasks]
         source = setup.model.prepare(corpus)
         tokenizer = setup.model.load_tokenizer(source)
         results: dict[str, Any] = {"device": device, "train_tasks": len(train_tasks), "val_tasks": len(val_tasks)}

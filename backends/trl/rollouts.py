@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from backends.policy_server import CallRecord, PolicyServer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +79,9 @@ class AgentRollouts:
         pad_id = self.server.tokenizer.pad_token_id
         samples = [flatten(calls, self.max_completion_tokens, pad_id) for calls in records]
         n = len(rollouts)
+        for rollout in rollouts:
+            if rollout.error is not None:  # the step goes on; the run's log says what went wrong
+                log.warning("rollout on task %s failed: %s", rollout.task.get("id"), rollout.error)
         self.last_rollouts = rollouts
         self.last_stats = {
             "rollout/turns_mean": sum(r.trajectory.turns for r in rollouts) / n,

@@ -1,9 +1,11 @@
-"""Warm start: supervised fine-tuning on demonstrations of the SQL agent, before RL (`conf/warmstart/sft.yaml`).
+"""Warm start: supervised fine-tuning on demonstrations of the agent, before RL (`conf/warmstart/sft.yaml`).
 
-A random-init model writes no SQL, so GRPO alone would never see a reward. The demonstrations are the agent's own
-conversations, produced by running the unchanged agent against a scripted model that answers with the gold SQL and
-the right verdicts; some show a wrong first query, an INCORRECT verdict and a rewrite. The model is then trained on
-its assistant turns only (TRL's SFTTrainer, `assistant_only_loss`).
+A random-init model calls no tools and writes no SQL, so GRPO alone would never see a reward. The demonstrations are
+the agent's own conversations: the unchanged agent runs against an in-process scripted endpoint that replays the
+agent's `oracle(task, wrong)` replies (gold SQL, right verdicts, a final answer; some with a wrong first query and a
+correction). A demonstration is the agent's last request (messages, and tools if it has any) plus the reply, exactly
+what the policy will be asked during rollouts. The model is then trained on its assistant turns only (TRL's
+SFTTrainer, `assistant_only_loss`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,20 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from agent.llm import Message, ScriptedChat
 from agent.rollout import Agent
+from agent.scripted import ReplayChat
+from backends.policy_server import for_template
+
+Demonstration = dict[str, Any]  # {"messages": [...], "tools": JSON string or None}
+
+
+def demonstration_texts(demo: Demonstration) -> list[str]:
+    """The strings a demonstration holds (for training a tokenizer on them)."""
+    texts = [str(m.get("content") or "") for m in demo["messages"]]
+    texts += [
+        json.dumps(c["function"], ensure_ascii=False) for m in demo["messages"] for c in m.get("tool_calls") or []
+    ]
+    return [*texts, demo["tools"]] if demo["tools"] else texts
 
 
 @dataclass
@@ -31,51 +45,57 @@ class SFTWarmstart:
     batch_size: int = 32
     warmup_ratio: float = 0.05
     rewrite_demo_fraction: float = 0.2
-    write_reply: str = "```sql\n{query}\n```"
-    correct_reply: str = "THE QUERY IS CORRECT"
-    incorrect_reply: str = "THE QUERY IS INCORRECT"
+    concurrency: int = 64  # agent runs at once while demonstrations are collected
 
     def __post_init__(self) -> None:
-        if self.steps <= 0 or self.batch_size <= 0 or self.learning_rate <= 0:
-            raise ValueError("warmstart.steps, warmstart.batch_size and warmstart.learning_rate must be > 0")
+        if self.steps <= 0 or self.batch_size <= 0 or self.learning_rate <= 0 or self.concurrency <= 0:
+            raise ValueError(
+                "warmstart.steps, warmstart.batch_size, warmstart.learning_rate and warmstart.concurrency must be > 0"
+            )
         if not 0.0 <= self.rewrite_demo_fraction <= 1.0:
             raise ValueError(f"warmstart.rewrite_demo_fraction must be in [0, 1], got {self.rewrite_demo_fraction}")
 
-    def _replies(self, task: dict[str, Any], wrong: str | None, check_step: bool) -> list[str]:
-        gold = self.write_reply.format(query=task["query"])
-        if not check_step:
-            return [gold]
-        if wrong is None:
-            return [gold, self.correct_reply]
-        return [self.write_reply.format(query=wrong), self.incorrect_reply, gold, self.correct_reply]
-
-    def demonstrations(self, agent: Agent, tasks: list[dict[str, Any]], seed: int) -> list[list[Message]]:
+    def demonstrations(self, agent: Agent, tasks: list[dict[str, Any]], seed: int) -> list[Demonstration]:
         """The agent's conversations on `tasks` against a scripted model that knows the answers."""
         rng = random.Random(seed)
-        check_step = bool(getattr(agent, "check_step", False))
-        can_rewrite = check_step and getattr(agent, "max_turns", 1) >= 2
         by_db: dict[str, list[str]] = {}
         for task in tasks:
             by_db.setdefault(task["db_id"], []).append(task["query"])
 
         def wrong_query(task: dict[str, Any]) -> str | None:
-            if not can_rewrite or rng.random() >= self.rewrite_demo_fraction:
+            if rng.random() >= self.rewrite_demo_fraction:
                 return None
             others = [q for q in by_db[task["db_id"]] if q != task["query"]]
             return rng.choice(others) if others else None
 
-        scripts = [ScriptedChat(self._replies(task, wrong_query(task), check_step)) for task in tasks]
+        replays = [ReplayChat(agent.oracle(task, wrong_query(task))) for task in tasks]
+        semaphore = asyncio.Semaphore(self.concurrency)
+
+        async def one(task: dict[str, Any], index: int) -> Any:
+            async with semaphore:
+                return await agent.run(task, replays[index])
 
         async def run_all() -> list[Any]:
-            return await asyncio.gather(*(agent.run(t, s) for t, s in zip(tasks, scripts, strict=True)))
+            return await asyncio.gather(*(one(t, i) for i, t in enumerate(tasks)))
 
-        return [t.messages for t in asyncio.run(run_all()) if t.error is None and t.final_sql is not None]
+        demos = []
+        for trajectory, chat in zip(asyncio.run(run_all()), replays, strict=True):
+            if trajectory.error is not None or len(chat.replies) != len(chat.script):
+                continue  # the agent did not play the whole script (it ended early or failed)
+            last = chat.requests[-1]
+            demos.append(
+                {
+                    "messages": [for_template(m) for m in [*last["messages"], chat.replies[-1]]],
+                    "tools": json.dumps(last["tools"], ensure_ascii=False) if last.get("tools") else None,
+                }
+            )
+        return demos
 
     def train(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
-        demos: list[list[Message]],
+        demos: list[Demonstration],
         output_dir: Path,
         log_file: Path,
         seed: int,
@@ -105,7 +125,7 @@ class SFTWarmstart:
         trainer = SFTTrainer(
             model=model,
             args=args,
-            train_dataset=Dataset.from_list([{"messages": m} for m in demos]),
+            train_dataset=Dataset.from_list(demos),
             processing_class=tokenizer,
             callbacks=[_JsonlLog(log_file)],
         )
