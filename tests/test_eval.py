@@ -80,3 +80,16 @@ def test_an_unreachable_endpoint_fails_before_any_task(cache_dir: Path, tmp_path
     assert result.returncode != 0
     assert f"endpoint.base_url={url} is not reachable" in result.stderr + result.stdout
     assert not list(tmp_path.rglob("records.jsonl"))
+
+
+def test_eval_of_wrong_sql_scores_zero(cache_dir: Path, tmp_path: Path) -> None:
+    from agent.scripted import say, scripted_app
+
+    run_dir = tmp_path / "run"
+    wrong = scripted_app(lambda messages: say("```sql\nSELECT 1 WHERE 0\n```"))  # runs, returns nothing, never right
+    with serve(wrong) as url:
+        args = ["job=eval", *FAST_RUN, f"endpoint.base_url={url}", f"hydra.run.dir={run_dir}"]
+        result = launch(args, cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    assert summary["n"] == 8 and summary["errors"] == 0 and summary["accuracy"] == 0.0
