@@ -1,15 +1,18 @@
 """Generation engines behind the policy server: token id prompts in, sampled completions out.
 
 - `HFGenerate`: `model.generate` (transformers), one padded batch; any model, any device. What TRL itself does.
-- `StaticGenerate`: a decode loop of its own for Llama-style decoders (Qwen2, Qwen3, Llama): a static KV cache
-  allocated once, the prompt prefilled in one pass, then one token per step. On CUDA each decode step is captured as
-  a CUDA graph (one per batch bucket and attended length), so a step costs one graph launch instead of hundreds of
-  kernel launches from Python. It calls the model's own modules (norms, projections, MLP, rotary embedding, LoRA
-  layers included), so it computes what the model computes; the trainer's log-probabilities still come from the
-  model's own forward. Other architectures, sliding-window or length-dependent rotary models go to `HFGenerate`.
+- `StaticGenerate`: a decode loop of its own for Llama-style decoders (Qwen2, Qwen3, Llama): a static KV cache,
+  the prompts prefilled in one pass, then one token per step for the whole batch. On CUDA each decode step is captured
+  as a CUDA graph (one per batch bucket and attended length), so a step costs one graph launch instead of a thousand
+  kernel launches from Python; with `compile`, the two halves of a layer are compiled first (torch.compile fuses the
+  small ops), once for all layers. It reads the model's weights as tensors and does the arithmetic of transformers'
+  modules for these architectures; LoRA adapters are merged into a copy of the weights they adapt, re-merged before
+  every call, so generation runs plain matrix products (the base weights are never modified). The trainer's
+  log-probabilities still come from the model's own forward. Other models (or DoRA, sliding windows, length-dependent
+  rotary) go to `HFGenerate`.
 
-The graphs read the parameters where they are, so in-place optimizer updates are seen by the next rollout; a
-different model object (or reallocated weights) drops the graphs and the cache.
+The graphs read the weights where they are, so in-place optimizer updates are seen by the next rollout; another
+model object drops the graphs, the cache and the merged copies.
 """
 
 from __future__ import annotations
@@ -96,22 +99,89 @@ class HFGenerate:
 
 
 @dataclass
-class _Layout:
-    """Where a Llama-style decoder keeps its parts (a PEFT model's LoRA layers included), and its attention shape."""
+class _Linear:
+    """A projection as the decode loop reads it. A LoRA layer is read as its base weight with the adapters merged
+    into a copy (refreshed before each generation), so generation runs plain matrix products."""
 
-    embed: nn.Module
-    layers: list[nn.Module]
-    norm: nn.Module
-    lm_head: nn.Module
+    module: nn.Module
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def refresh(self) -> None:
+        base = getattr(self.module, "base_layer", None)
+        if base is None:
+            return
+        weight = base.weight
+        adapters = [a for a in self.module.active_adapters if a in self.module.lora_A]
+        if self.module.merged or self.module.disable_adapters or not adapters:
+            self.weight.copy_(weight)
+        else:
+            delta = sum(self.module.get_delta_weight(a) for a in adapters)
+            self.weight.copy_(weight + delta.to(weight.dtype))
+
+
+def _linear(module: nn.Module) -> _Linear | None:
+    if isinstance(module, nn.Linear):
+        return _Linear(module, module.weight, module.bias)
+    base = getattr(module, "base_layer", None)  # a PEFT LoRA layer
+    if isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight"):
+        if any(module.use_dora.get(a, False) for a in module.active_adapters):
+            return None
+        merged = _Linear(module, torch.empty_like(base.weight), base.bias)
+        merged.refresh()
+        return merged
+    return None
+
+
+@dataclass
+class _LayerWeights:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm per head on q and k
+    k_norm: torch.Tensor | None
+    q: _Linear
+    k: _Linear
+    v: _Linear
+    o: _Linear
+    gate: _Linear
+    up: _Linear
+    down: _Linear
+
+    def attn(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.ln1, self.q_norm, self.k_norm, self.q.weight, self.q.bias, self.k.weight, self.k.bias,
+                self.v.weight, self.v.bias)  # fmt: skip
+
+    def rest(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.o.weight, self.o.bias, self.ln2, self.gate.weight, self.gate.bias, self.up.weight, self.up.bias,
+                self.down.weight, self.down.bias)  # fmt: skip
+
+    def linears(self) -> list[_Linear]:
+        return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down]
+
+
+@dataclass
+class _Layout:
+    """A Llama-style decoder read as tensors: what the decode loop needs, in the order it needs it."""
+
+    embed: torch.Tensor
+    layers: list[_LayerWeights]
+    norm: torch.Tensor
+    lm_head: _Linear
     rotary: nn.Module
-    n_heads: int
     n_kv_heads: int
+    groups: int
     head_dim: int
     scaling: float
+    eps: float
+
+    def refresh(self) -> None:
+        """Re-merge LoRA adapters (the optimizer moved them); plain weights are read in place."""
+        for linear in [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]:
+            linear.refresh()
 
 
 def _layout(model: PreTrainedModel) -> _Layout | None:
-    """The decoder's parts, or None when StaticGenerate does not support the model."""
+    """The decoder's weights, or None when StaticGenerate does not support the model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     decoder = getattr(base, "model", None)
@@ -120,21 +190,50 @@ def _layout(model: PreTrainedModel) -> _Layout | None:
     rope_type = getattr(decoder.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":  # rotary frequencies that depend on the length
         return None
-    attn = decoder.layers[0].self_attn
-    if any(getattr(layer.self_attn, "sliding_window", None) for layer in decoder.layers):
+    if getattr(config, "hidden_act", None) != "silu":
         return None
-    head_dim = attn.head_dim
+    layers = []
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(attn, "sliding_window", None):
+            return None
+        linears = [_linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+        linears += [_linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        if any(lin is None for lin in linears):
+            return None
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        layers.append(
+            _LayerWeights(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                *linears,  # type: ignore[arg-type]
+            )
+        )
+    lm_head = _linear(base.get_output_embeddings())
+    if lm_head is None:
+        return None
+    attn = decoder.layers[0].self_attn
     return _Layout(
-        embed=decoder.embed_tokens,
-        layers=list(decoder.layers),
-        norm=decoder.norm,
-        lm_head=base.get_output_embeddings(),
+        embed=decoder.embed_tokens.weight,
+        layers=layers,
+        norm=decoder.norm.weight,
+        lm_head=lm_head,
         rotary=decoder.rotary_emb,
-        n_heads=config.num_attention_heads,
         n_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
+        groups=config.num_attention_heads // config.num_key_value_heads,
+        head_dim=attn.head_dim,
         scaling=attn.scaling,
+        eps=decoder.norm.variance_epsilon,
     )
+
+
+# ---- the model's arithmetic, as transformers' Llama/Qwen2/Qwen3 modules do it -------------------------------------
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -142,77 +241,106 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class _Decoder:
-    """The forward pass over a static cache. `cache[l]` holds keys and values: (2, batch, kv_heads, capacity, dim)."""
+def _attn_in(
+    x: torch.Tensor, w: tuple[Any, ...], cos: torch.Tensor, sin: torch.Tensor, head_dim: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, q/k/v projections, Qwen3's q/k norms and rotary. x (b, s, hidden) -> (b, heads, s, dim) each."""
+    ln1, q_norm, k_norm, qw, qb, kw, kb, vw, vb = w
+    b, s, _ = x.shape
+    h = _rms(x, ln1, eps)
+    q = nn.functional.linear(h, qw, qb).view(b, s, -1, head_dim)
+    k = nn.functional.linear(h, kw, kb).view(b, s, -1, head_dim)
+    v = nn.functional.linear(h, vw, vb).view(b, s, -1, head_dim)
+    if q_norm is not None:
+        q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v
 
-    def __init__(self, layout: _Layout, cache: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> None:
-        self.m = layout
+
+def _attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, w: tuple[Any, ...], eps: float) -> torch.Tensor:
+    """o_proj and residual, post-attention norm, SiLU-gated MLP and residual."""
+    ow, ob, ln2, gw, gb, uw, ub, dw, db = w
+    x = x + nn.functional.linear(attn, ow, ob)
+    h = _rms(x, ln2, eps)
+    gated = nn.functional.silu(nn.functional.linear(h, gw, gb)) * nn.functional.linear(h, uw, ub)
+    return x + nn.functional.linear(gated, dw, db)
+
+
+def _decode_attn(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """One query per row over the cache's first `span` positions; the heads of a kv group read it together."""
+    b, heads, _, d = q.shape
+    kv, span = keys.shape[1], allowed.shape[-1]
+    q = q.reshape(b, kv, heads // kv, d)
+    scores = torch.matmul(q, keys[:, :, :span].transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values[:, :, :span]).reshape(b, 1, heads * d)
+
+
+def _decode_layer_out(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    w: tuple[Any, ...],
+    scaling: float,
+    eps: float,
+) -> torch.Tensor:
+    return _attn_out_mlp(x, _decode_attn(q, keys, values, allowed, scaling), w, eps)
+
+
+class _Decoder:
+    """The forward pass over a static cache. `cache[l]` holds keys and values: (2, batch, kv_heads, capacity, dim).
+
+    With `compile`, the two halves of a decode layer (before and after the cache write) are compiled once and reused
+    by every layer: they are functions of tensors only.
+    """
+
+    def __init__(
+        self, m: _Layout, cache: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, compile: bool
+    ) -> None:
+        self.m = m
         self.cache = cache
         self.cos, self.sin = cos, sin  # (capacity, dim), indexed by position
-
-    def _qkv(self, attn: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projections of x (batch, seq, hidden) with rotary at positions pos (batch, seq): (batch, heads, seq, dim)."""
-        b, s, _ = x.shape
-        d = self.m.head_dim
-        q = attn.q_proj(x).view(b, s, -1, d)
-        k = attn.k_proj(x).view(b, s, -1, d)
-        v = attn.v_proj(x).view(b, s, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm per head before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v
-
-    def _layer(self, i: int, x: torch.Tensor, attend: Any) -> torch.Tensor:
-        layer = self.m.layers[i]
-        h = layer.input_layernorm(x)
-        h = attend(i, layer.self_attn, h)
-        x = x + layer.self_attn.o_proj(h)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        self.attn_in = torch.compile(_attn_in, dynamic=True) if compile else _attn_in
+        self.layer_out = torch.compile(_decode_layer_out, dynamic=True) if compile else _decode_layer_out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.m.lm_head(self.m.norm(x)).float()
+        return nn.functional.linear(
+            _rms(x, self.m.norm, self.m.eps), self.m.lm_head.weight, self.m.lm_head.bias
+        ).float()
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, rows: slice) -> torch.Tensor:
         """Prompt pass for cache rows `rows`: ids, pos (batch, width); allowed (batch, 1, width, width). Last logits."""
-        width = ids.shape[1]
-        groups = self.m.n_heads // self.m.n_kv_heads
-
-        def attend(i: int, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = self._qkv(attn, h, pos)
+        m, width = self.m, ids.shape[1]
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        x = nn.functional.embedding(ids, m.embed)
+        for i, layer in enumerate(m.layers):
+            q, k, v = _attn_in(x, layer.attn(), cos, sin, m.head_dim, m.eps)
             self.cache[i][0, rows, :, :width] = k
             self.cache[i][1, rows, :, :width] = v
-            if groups > 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.m.scaling)
-            return out.transpose(1, 2).reshape(h.shape[0], width, -1)
-
-        x = self.m.embed(ids)
-        for i in range(len(self.m.layers)):
-            x = self._layer(i, x, attend)
+            if m.groups > 1:
+                k, v = k.repeat_interleave(m.groups, dim=1), v.repeat_interleave(m.groups, dim=1)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=m.scaling)
+            x = _attn_out_mlp(x, out.transpose(1, 2).reshape(x.shape[0], width, -1), layer.rest(), m.eps)
         return self._logits(x[:, -1])
 
     def decode(self, tok: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """One token per row: tok, pos (batch,) at cache index slot (1,); allowed (batch, 1, 1, span). Logits."""
-        b, span = tok.shape[0], allowed.shape[-1]
-        kv, groups, d = self.m.n_kv_heads, self.m.n_heads // self.m.n_kv_heads, self.m.head_dim
-
-        def attend(i: int, attn: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            q, k, v = self._qkv(attn, h, pos[:, None])
+        m, b = self.m, tok.shape[0]
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
+        x = nn.functional.embedding(tok[:, None], m.embed)
+        for i, layer in enumerate(m.layers):
+            q, k, v = self.attn_in(x, layer.attn(), cos, sin, m.head_dim, m.eps)
             keys, values = self.cache[i][0, :b], self.cache[i][1, :b]
             keys.index_copy_(2, slot, k)
             values.index_copy_(2, slot, v)
-            q = q.reshape(b, kv, groups, d)  # heads of one kv group together: no copies of the cache
-            scores = torch.matmul(q, keys[:, :, :span].transpose(2, 3)) * self.m.scaling
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return torch.matmul(weights, values[:, :, :span]).reshape(b, 1, kv * groups * d)
-
-        x = self.m.embed(tok[:, None])
-        for i in range(len(self.m.layers)):
-            x = self._layer(i, x, attend)
+            x = self.layer_out(x, q, keys, values, allowed, layer.rest(), m.scaling, m.eps)
         return self._logits(x[:, 0])
 
 
@@ -268,7 +396,7 @@ class StaticGenerate:
         self._graphs: dict[tuple[int, int, float, float], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._decoder: _Decoder | None = None
-        self._decode: Any = None
+        self._layout: _Layout | None = None
 
     def generate(
         self,
@@ -281,41 +409,50 @@ class StaticGenerate:
         eos_ids: set[int],
         pad_id: int,
     ) -> list[Completion]:
-        layout = _layout(model)
-        if layout is None or len(eos_ids) > 8:
-            return self.fallback.generate(
-                model, prompts, max_new_tokens, temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id
-            )
         with torch.no_grad(), torch.autocast(next(model.parameters()).device.type, enabled=False):
+            layout = self._layout_for(model)
+            if layout is None or len(eos_ids) > 8:
+                return self.fallback.generate(
+                    model, prompts, max_new_tokens, temperature=temperature, top_p=top_p, eos_ids=eos_ids, pad_id=pad_id
+                )
             return self._generate(model, layout, prompts, max_new_tokens, temperature, top_p, eos_ids, pad_id)
 
     # ---- state ---------------------------------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
         return 1 << max(0, n - 1).bit_length() if n <= 8 else 8 * math.ceil(n / 8)
 
-    def _prepare(self, model: PreTrainedModel, layout: _Layout, batch: int, length: int) -> None:
-        """Make sure the cache holds `batch` rows of `length` positions for this model; drop graphs if it moves."""
-        param = next(model.parameters())
-        owner = (id(model), layout.embed.weight.data_ptr(), layout.lm_head.weight.data_ptr(), str(param.dtype))
+    def _layout_for(self, model: PreTrainedModel) -> _Layout | None:
+        """The model read as tensors, built once per model (its LoRA copies too); LoRA re-merged on every call."""
+        weight = model.get_input_embeddings().weight
+        owner = (id(model), weight.data_ptr(), str(weight.dtype))
+        if owner != self._owner:
+            self.release()
+            self._layout, self._owner = _layout(model), owner
+        if self._layout is not None:
+            self._layout.refresh()
+        return self._layout
+
+    def _prepare(self, layout: _Layout, batch: int, length: int, device: torch.device) -> None:
+        """Make sure the cache holds `batch` rows of `length` positions; growing it drops the graphs."""
         have_rows = self._cache[0].shape[1] if self._cache else 0
         have_len = self._cache[0].shape[3] if self._cache else 0
-        if owner == self._owner and batch <= have_rows and length <= have_len:
+        if batch <= have_rows and length <= have_len:
             return
-        self.release()
-        rows, capacity = max(batch, have_rows), self.block * math.ceil(max(length, have_len) / self.block)
-        shape = (2, rows, layout.n_kv_heads, capacity, layout.head_dim)
-        dtype = layout.embed.weight.dtype
-        self._cache = [torch.zeros(shape, dtype=dtype, device=param.device) for _ in layout.layers]
-        positions = torch.arange(capacity, device=param.device)[None]
-        cos, sin = layout.rotary(torch.zeros(1, dtype=dtype, device=param.device), positions)
-        self._decoder = _Decoder(layout, self._cache, cos[0], sin[0])
-        self._decode = torch.compile(self._decoder.decode, dynamic=True) if self.compile else self._decoder.decode
-        self._owner = owner
+        self._cache, self._rows, self._graphs, self._decoder, self._pool = [], {}, {}, None, None
+        capacity = self.block
+        while capacity < length:  # doubling: a few reallocations (and recaptures) over a run, at most 2x memory
+            capacity *= 2
+        shape = (2, max(batch, have_rows), layout.n_kv_heads, max(capacity, have_len), layout.head_dim)
+        dtype = layout.embed.dtype
+        self._cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in layout.layers]
+        positions = torch.arange(shape[3], device=device)[None]
+        cos, sin = layout.rotary(torch.zeros(1, dtype=dtype, device=device), positions)
+        self._decoder = _Decoder(layout, self._cache, cos[0], sin[0], self.compile)
 
     def release(self) -> None:
-        """Free the cache and the graphs (they are rebuilt on the next call)."""
-        self._cache, self._rows, self._graphs, self._decoder, self._decode, self._owner = [], {}, {}, None, None, None
-        self._pool = None
+        """Free the cache, the graphs and the merged LoRA copies (rebuilt on the next call)."""
+        self._cache, self._rows, self._graphs, self._decoder, self._pool = [], {}, {}, None, None
+        self._layout, self._owner = None, None
 
     def _rows_for(self, batch: int, device: torch.device) -> _Rows:
         if batch not in self._rows:
@@ -343,7 +480,8 @@ class StaticGenerate:
         slot = r.width + r.step
         index = torch.arange(span, device=r.tok.device)
         allowed = ((index[None] >= r.start[:, None]) & (index[None] <= slot))[:, None, None]
-        logits = self._decode(r.tok, r.pos, slot, allowed)
+        assert self._decoder is not None
+        logits = self._decoder.decode(r.tok, r.pos, slot, allowed)
         token, logp = _sample(logits, temperature, top_p)
         column = r.step + 1
         r.out.index_copy_(1, column, token[:, None])
@@ -389,7 +527,7 @@ class StaticGenerate:
         n, batch = len(prompts), self._bucket(len(prompts))
         width = max(len(p) for p in prompts)
         steps = max(max_new_tokens)
-        self._prepare(model, layout, batch, width + steps)
+        self._prepare(layout, batch, width + steps, device)
         assert self._decoder is not None
         r = self._rows_for(batch, device)
         use_graphs = self.cuda_graphs and device.type == "cuda"

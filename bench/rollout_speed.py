@@ -6,10 +6,10 @@ Spider-style prompts (the SQL agent's first call rendered with Qwen's chat templ
 checkpointing on CUDA (TRL's defaults). Variants:
 
 - `plain`: TRL 1.16's GRPOTrainer at its defaults: HF `generate`, dynamic cache.
-- `ours`: backend=trl as `conf/backend/trl.yaml` configures it, with the static engine (static KV cache, CUDA graphs).
-- `ours_hf`: the same with `generation_engine=hf` (policy server and agent, HF generate): what the engine adds.
-- `ours_eager`: the static engine without CUDA graphs.
-- `ours_compiled`: the static engine with its decode step compiled (torch.compile) before capture.
+- `ours`: backend=trl as `conf/backend/trl.yaml` configures it (generation_engine=auto: the static engine on CUDA).
+- `ours_graphs`, `ours_compiled`: the static engine (static KV cache, CUDA graphs) without / with its decode layers
+  compiled (torch.compile) before capture; `ours_eager`: neither graphs nor compile.
+- `ours_hf`: `generation_engine=hf` (policy server and agent, HF generate): what the engine adds.
 
     python bench/rollout_speed.py --device cuda --out bench/results/rollout_speed.json
     python bench/rollout_speed.py --shapes tiny --device cpu --steps 2     # the same code on a 2-layer model
@@ -109,7 +109,7 @@ def random_model(shape: dict[str, Any], device: str, dtype: torch.dtype | None =
     return model
 
 
-def check_engines(device: str) -> list[dict[str, Any]]:
+def check_engines(device: str, compile_check: bool) -> list[dict[str, Any]]:
     """The static engine (CUDA graphs on CUDA) against HF generate and the model's forward, float32 tiny shapes.
 
     Weights are drawn wide (std 0.5) so that next-token distributions are peaked and a wrong hidden state shows.
@@ -130,7 +130,7 @@ def check_engines(device: str) -> list[dict[str, Any]]:
             gen = torch.Generator().manual_seed(1)
             prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (5, 17, 33, 300)]
             kw = {"top_p": 1.0, "eos_ids": {2}, "pad_id": 0}
-            engine = StaticGenerate(block=64)
+            engine = StaticGenerate(block=64, compile=compile_check and finetune == "lora")
             plain = HFGenerate().generate(model, prompts, [40, 300, 7, 120], temperature=0.0, **kw)
             fast = engine.generate(model, prompts, [40, 300, 7, 120], temperature=0.0, **kw)
             sampled = engine.generate(model, prompts * 4, [200] * 16, temperature=0.8, **kw)
@@ -151,6 +151,7 @@ def check_engines(device: str) -> list[dict[str, Any]]:
                     "greedy_lengths": [len(c.token_ids) for c in fast],
                     "sampled_max_abs_logprob_diff": worst,
                     "graph_captures": engine.graph_captures,
+                    "compiled": engine.compile,
                 }
             )
             print("check", checks[-1], flush=True)
@@ -241,8 +242,9 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     engine = {"ours_hf": "hf"}.get(variant, "static")
     parts = compose(case, args, cache, engine)
     algo, agent, backend, finetune = parts["algorithm"], parts["agent"], parts["backend"], parts["finetune"]
-    backend.cuda_graphs = variant != "ours_eager"
-    backend.compile_decode = variant == "ours_compiled"
+    if variant in ("ours_graphs", "ours_compiled", "ours_eager"):
+        backend.cuda_graphs = variant != "ours_eager"
+        backend.compile_decode = variant == "ours_compiled"
     tasks = parts["data"].train_tasks()[: 8 * args.prompts]
     first = [agent.first_messages(t) for t in tasks]
     tokenizer = train_tokenizer([m["content"] for conv in first for m in conv], vocab_size=2048)
@@ -391,6 +393,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", action="store_true", help="first check the static engine against HF generate")
+    parser.add_argument("--check-compile", action="store_true", help="check the compiled engine too (LoRA cases)")
     args = parser.parse_args()
 
     import peft
@@ -415,7 +418,7 @@ def main() -> None:
         "warmup_steps": args.warmup,
     }
     if args.check:
-        info["checks"] = check_engines(args.device)
+        info["checks"] = check_engines(args.device, args.check_compile)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases.split(","):
