@@ -385,7 +385,7 @@ class StaticGenerate:
         self, cuda_graphs: bool = True, compile: bool = False, block: int = 256, check_every: int = 16
     ) -> None:
         self.cuda_graphs = cuda_graphs
-        self.compile = compile  # torch.compile the decode step (fuses the small ops; compiles once per model)
+        self.compile = compile  # on CUDA: torch.compile the decode layers (fuses the small ops; a one-off compile)
         self.block = block  # cache capacity and attended spans are multiples of this
         self.check_every = check_every  # decode steps between checks whether every row is done (a host sync)
         self.fallback = HFGenerate()
@@ -447,7 +447,7 @@ class StaticGenerate:
         self._cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in layout.layers]
         positions = torch.arange(shape[3], device=device)[None]
         cos, sin = layout.rotary(torch.zeros(1, dtype=dtype, device=device), positions)
-        self._decoder = _Decoder(layout, self._cache, cos[0], sin[0], self.compile)
+        self._decoder = _Decoder(layout, self._cache, cos[0], sin[0], self.compile and device.type == "cuda")
 
     def release(self) -> None:
         """Free the cache, the graphs and the merged LoRA copies (rebuilt on the next call)."""

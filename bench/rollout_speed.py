@@ -2,8 +2,9 @@
 
 Random-init models of the real shapes, the same batch for every variant (prompts x group rollouts, each forced to
 `--tokens` generated tokens: plain TRL through `min_new_tokens`, ours through an eos id no token has), the same
-Spider-style prompts (the SQL agent's first call rendered with Qwen's chat template), bf16 and gradient
-checkpointing on CUDA (TRL's defaults). Variants:
+Spider-style prompts (the SQL agent's first call rendered with Qwen's chat template), bf16 on CUDA. Each side runs
+its own defaults otherwise: plain TRL with gradient checkpointing on (TRL's default), ours as `conf/backend/trl.yaml`
+sets it (off). The generation time is timed apart, so both ratios are reported. Variants:
 
 - `plain`: TRL 1.16's GRPOTrainer at its defaults: HF `generate`, dynamic cache.
 - `ours`: backend=trl as `conf/backend/trl.yaml` configures it (generation_engine=auto: the static engine on CUDA).
@@ -21,6 +22,7 @@ and writes JSON after every variant.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -180,7 +182,6 @@ def compose(case: str, args: argparse.Namespace, cache: Path, engine: str) -> di
         f"algorithm.max_steps={args.warmup + args.steps}",
         f"backend.device={args.device}",
         f"backend.generation_engine={engine}",
-        f"backend.gradient_checkpointing={str(args.device == 'cuda').lower()}",  # as TRL's default, below
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -239,6 +240,9 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from models.tiny import train_tokenizer
 
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0  # what earlier variants left
     engine = {"ours_hf": "hf"}.get(variant, "static")
     parts = compose(case, args, cache, engine)
     algo, agent, backend, finetune = parts["algorithm"], parts["agent"], parts["backend"], parts["finetune"]
@@ -251,8 +255,6 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     rendered = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in first]
     prompt_tokens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in rendered]
     model = random_model(SHAPES[args.shapes][CASES[case][0]], args.device)
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
     timer = StepTimer()
     if variant == "plain":
         config = GRPOConfig(  # TRL's defaults, but for the batch shape and the forced length
@@ -322,12 +324,14 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
         "tokens_per_s": tokens / statistics.median(measured),
         "generation_tokens_per_s": tokens / statistics.median(gen),
         "prompt_tokens_mean": statistics.mean(prompt_tokens),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "peak_memory_gib": (torch.cuda.max_memory_allocated() - before) / 2**30 if torch.cuda.is_available() else None,
+        "memory_left_by_earlier_variants_gib": before / 2**30,
         "wall_s": wall,
         "graph_captures": getattr(server.engine, "graph_captures", None) if server else None,
     }
     result |= bandwidth_bound(trainer, model, batch, statistics.mean(prompt_tokens) + args.tokens / 2, args)
-    del trainer, model, server
+    del trainer, model, server, parts, backend
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result

@@ -40,7 +40,7 @@ class TRLBackend:
     batch_wait_s: float = 0.02
     generation_engine: str = "auto"
     cuda_graphs: bool = True
-    compile_decode: bool = False
+    compile_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.generation_engine not in ("auto", *ENGINES):
