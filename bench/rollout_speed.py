@@ -394,7 +394,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--check", action="store_true", help="first check the static engine against HF generate")
     parser.add_argument("--check-compile", action="store_true", help="check the compiled engine too (LoRA cases)")
