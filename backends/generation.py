@@ -51,6 +51,10 @@ class Engine(Protocol):
         pad_id: int,
     ) -> list[Completion]: ...
 
+    def release(self) -> None:
+        """Free what the engine keeps between calls (a cache, graphs)."""
+        ...
+
 
 def _finish(ids: list[int], max_new: int, eos_ids: set[int], logprobs: list[float] | None = None) -> Completion:
     """Cut a row at its own budget and at its first eos id (kept, as the model produced it)."""
@@ -65,6 +69,9 @@ class HFGenerate:
     """`model.generate` on one left-padded batch (dynamic cache, the model's attention implementation)."""
 
     name = "hf"
+
+    def release(self) -> None:
+        """Nothing is kept between calls."""
 
     def generate(
         self,

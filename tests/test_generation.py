@@ -60,6 +60,10 @@ def test_greedy_static_decoding_matches_generate_across_calls_and_an_eos_stop(ti
     assert [c.finish_reason for c in fast] == [c.finish_reason for c in plain]
     assert fast[0].finish_reason == "stop" and fast[0].token_ids[-1] == stop and len(fast[0].token_ids) <= 7
 
+    engine.release()  # what the backend does after validation: the next call rebuilds everything
+    plain, fast = both(tiny, prompts[:2], [9, 9], {tokenizer.eos_token_id}, engine=engine)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+
 
 def per_token_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     """What the GRPO loss uses: the model's forward over prompt + completion, TRL's selective log-softmax."""

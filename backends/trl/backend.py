@@ -84,6 +84,7 @@ class TRLBackend:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
             server = self._server(model, tokenizer, setup)
             summary, rollouts = validate_policy(setup.agent, val_tasks, server, metric, algo.sampling(0.0))
+            self.engine().release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
             results[f"val_{name}"] = vars(summary)
             return {f"val/{k}": v for k, v in vars(summary).items()}
