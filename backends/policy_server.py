@@ -17,6 +17,8 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
 - When a call's messages extend the previous call of the same rollout (previous prompt, the reply, new messages),
   its prompt ids are the previous prompt and reply ids followed by the tokens of the new text only. The model thus
   continues from exactly the tokens it sampled (no re-tokenization drift), and a rollout forms one token sequence.
+- The tokens themselves come from a generation engine (`backends/generation.py`): `model.generate`, or a static KV
+  cache decode loop replayed as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pydantic import BaseModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent.llm import OpenAIChat
+from backends.generation import Engine, HFGenerate
 
 DEFAULT_ROLLOUT = "default"
 
@@ -90,8 +93,10 @@ class PolicyServer:
         max_response_tokens: int,
         max_batch_size: int = 256,
         batch_wait_s: float = 0.02,
+        engine: Engine | None = None,
     ) -> None:
         self.model = model
+        self.engine = engine or HFGenerate()
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.max_response_tokens = max_response_tokens
@@ -265,32 +270,17 @@ class PolicyServer:
         return [r for r in results if r is not None]
 
     def _generate_group(self, items: list[_Pending], temperature: float, top_p: float) -> list[tuple[list[int], str]]:
-        pad_id = self.tokenizer.pad_token_id
         eos_ids = set(_as_list(self.model.generation_config.eos_token_id) or [self.tokenizer.eos_token_id])
-        width = max(len(item.prompt_ids) for item in items)
-        input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(items), width), dtype=torch.long)
-        for row, item in enumerate(items):
-            input_ids[row, width - len(item.prompt_ids) :] = torch.tensor(item.prompt_ids)
-            attention[row, width - len(item.prompt_ids) :] = 1
-        device = next(self.model.parameters()).device
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        if temperature <= 0:
-            sampling = {"do_sample": False}
-        generated = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            max_new_tokens=max(item.max_new_tokens for item in items),
-            pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids),
-            **sampling,
-        )[:, width:].tolist()
-        outputs = []
-        for item, ids in zip(items, generated, strict=True):
-            ids = ids[: item.max_new_tokens]
-            stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
-            outputs.append((ids[: stop + 1], "stop") if stop is not None else (ids, "length"))
-        return outputs
+        completions = self.engine.generate(
+            self.model,
+            [item.prompt_ids for item in items],
+            [item.max_new_tokens for item in items],
+            temperature=temperature,
+            top_p=top_p,
+            eos_ids=eos_ids,
+            pad_id=self.tokenizer.pad_token_id,
+        )
+        return [(c.token_ids, c.finish_reason) for c in completions]
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

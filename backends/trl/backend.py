@@ -20,6 +20,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 
+from backends.algorithm import GRPO
+from backends.generation import ENGINES, Engine, make_engine
 from backends.policy_server import PolicyServer
 from backends.setup import TrainSetup
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
@@ -36,6 +38,24 @@ class TRLBackend:
     samples_per_validation: int = 4
     gradient_checkpointing: bool = False
     batch_wait_s: float = 0.02
+    generation_engine: str = "auto"
+    cuda_graphs: bool = True
+    compile_decode: bool = True
+
+    def __post_init__(self) -> None:
+        if self.generation_engine not in ("auto", *ENGINES):
+            raise ValueError(
+                f"backend.generation_engine must be one of auto, {', '.join(ENGINES)}; got {self.generation_engine!r}"
+            )
+        self._engine: Engine | None = None
+
+    def engine(self) -> Engine:
+        """One engine for the run (its cache and CUDA graphs serve training and validation alike)."""
+        if self._engine is None:
+            self._engine = make_engine(
+                self.generation_engine, self.resolved_device(), self.cuda_graphs, self.compile_decode
+            )
+        return self._engine
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -64,6 +84,7 @@ class TRLBackend:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
             server = self._server(model, tokenizer, setup)
             summary, rollouts = validate_policy(setup.agent, val_tasks, server, metric, algo.sampling(0.0))
+            self.engine().release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
             results[f"val_{name}"] = vars(summary)
             return {f"val/{k}": v for k, v in vars(summary).items()}
@@ -101,7 +122,7 @@ class TRLBackend:
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=[_passthrough_reward(setup.reward.name)],
-            args=self._grpo_config(setup, device),
+            args=self.grpo_config(algo, str(run.checkpoints), setup.seed, device),
             train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in train_tasks]),
             processing_class=tokenizer,
             peft_config=setup.finetune.peft_config(),
@@ -123,13 +144,14 @@ class TRLBackend:
             max_prompt_tokens=algo.max_prompt_length,
             max_response_tokens=algo.max_response_length,
             batch_wait_s=self.batch_wait_s,
+            engine=self.engine(),
         )
 
-    def _grpo_config(self, setup: TrainSetup, device: str) -> GRPOConfig:
-        algo = setup.algorithm
+    def grpo_config(self, algo: GRPO, output_dir: str, seed: int, device: str) -> GRPOConfig:
+        """TRL's settings for `algo` (also what bench/rollout_speed.py runs)."""
         return GRPOConfig(
-            output_dir=str(setup.run.checkpoints),
-            seed=setup.seed,
+            output_dir=output_dir,
+            seed=seed,
             learning_rate=algo.learning_rate,
             num_generations=algo.group_size,
             per_device_train_batch_size=algo.micro_batch_size,
