@@ -7,7 +7,7 @@ import json
 import math
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 def _jsonable(value: Any) -> Any:
@@ -16,11 +16,18 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+class Tracker(Protocol):
+    """Receives every step's metrics as they are written (`logger=wandb`: experiments/tracking.py)."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+
 class RunDir:
     """Writes a run's metrics, samples and summary. `metrics.jsonl` holds one object per step, `step` first."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.trackers: list[Tracker] = []
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.samples = self.path / "samples"
@@ -34,9 +41,11 @@ class RunDir:
         return self.path / "summary.json"
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        line = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        values = {k: _jsonable(v) for k, v in metrics.items()}
         with self.metrics_file.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for tracker in self.trackers:
+            tracker.log(step, values)
 
     def metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_file.is_file():
