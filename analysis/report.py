@@ -159,7 +159,7 @@ def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
         total = len(_in_cell(table, factors, cell)) if factors else len(table)
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
-        for metric in ("val_final", "val_best", "reward_final"):
+        for metric in ("val_initial", "val_final", "val_best", "reward_final"):
             row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
         row["wall_h/run"] = _fmt_num(runs.wall_s.mean() / 3600)
         row["gpu_h/run"] = _fmt_num(runs.gpu_hours.mean())
@@ -199,7 +199,7 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
                 row |= {
                     "Δ vs baseline": _fmt(diff, metric, True),
                     "95% CI of Δ": ci,
-                    "p": "n/a" if p is None else f"{p:.3f}",
+                    "p": "n/a" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}",
                     "noise": flag,
                 }
             rows.append(row)
@@ -214,7 +214,7 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
     """Training reward and validation accuracy against step, one line per cell (mean over seeds, ±95% CI band)."""
     done = table[table.status == COMPLETED]
     by_name = {(r.source, r.name): r for r in runs}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for cell in _cells(done, factors):
         members = _in_cell(done, factors, cell) if factors else done
         frames = [
@@ -235,8 +235,9 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 2), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -292,13 +293,16 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
         "(t distribution); a cell with one seed has no error bar."
     )
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
-    out.append(
-        ("All cells", "Accuracy in percent; cost per run (GPU-hours from `resources` or the device).", report.cells)
+    cells = (
+        "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
+        "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."
     )
+    out.append(("All cells", cells, report.cells))
     for factor, table in report.factors.items():
         text = (
             f"Each `{factor}` value against the baseline `{factor}` (its first value), the other factors fixed. "
-            "Δ: difference of means; its 95% CI and p from Welch's t-test; `within noise` when the CI contains 0."
+            "Δ: difference of means (percentage points for accuracy); its 95% CI and p from Welch's t-test; "
+            "`within noise` when that CI contains 0."
         )
         out.append((f"Factor `{factor}`", text, table if not table.empty else None))
     out.append(("Learning curves", "curves.png", None))

@@ -40,15 +40,13 @@ class Run:
 
     def value(self, key: str) -> Any:
         """A config key's value in this run; a config group's option name for a group (`model`)."""
+        given = [o.split("=", 1)[1] for o in self.overrides if override_key(o) == key]
+        if self.status == NOT_STARTED and given:  # its own overrides; a sibling's config stands in for the rest
+            return yaml.safe_load(given[-1])
         if key in self.choices:
             return self.choices[key]
         node = OmegaConf.select(OmegaConf.create(self.config), key, throw_on_resolution_failure=False)
-        if isinstance(node, DictConfig):
-            return node.get("name")
-        if node is None:  # a run that never started has its overrides only
-            given = [o.split("=", 1)[1] for o in self.overrides if override_key(o) == key]
-            return yaml.safe_load(given[-1]) if given else None
-        return node
+        return node.get("name") if isinstance(node, DictConfig) else node
 
 
 def override_key(override: str) -> str:
@@ -73,7 +71,8 @@ def load_tree(root: Path) -> list[Run]:
     run_dirs = sorted({p.parent.parent for p in root.rglob(".hydra/overrides.yaml")}, key=_natural)
     runs = [load_run_dir(d, root) for d in run_dirs]
     for sweep in sorted({root, *(p.parent for p in root.rglob("multirun.yaml"))}):
-        runs += _not_started(sweep, root, {d.name for d in run_dirs if d.parent == sweep})
+        siblings = [run for d, run in zip(run_dirs, runs, strict=True) if d.parent == sweep]
+        runs += _not_started(sweep, root, siblings)
     return runs
 
 
@@ -106,8 +105,9 @@ def load_run_dir(path: Path, root: Path) -> Run:
     )
 
 
-def _not_started(sweep: Path, root: Path, present: set[str]) -> list[Run]:
-    """The jobs `multirun.yaml` defines that have no run directory (still queued, or never launched)."""
+def _not_started(sweep: Path, root: Path, siblings: list[Run]) -> list[Run]:
+    """The jobs `multirun.yaml` defines that have no run directory (still queued, or never launched). Beyond its
+    overrides, such a job's values are read from a sibling run's config (the sweep's shared settings)."""
     multirun = sweep / "multirun.yaml"
     if not multirun.is_file():
         return []
@@ -116,8 +116,17 @@ def _not_started(sweep: Path, root: Path, present: set[str]) -> list[Run]:
     given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(conf, "hydra.overrides.task") or [])
     batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(given), None)
     jobs = [job for batch in batches for job in batch]
+    present = {Path(run.name).name for run in siblings}
+    config, choices = (siblings[0].config, siblings[0].choices) if siblings else ({}, {})
     return [
-        Run(source=str(root), name=str((sweep / str(num)).relative_to(root.parent)), status=NOT_STARTED, overrides=list(job))
+        Run(
+            source=str(root),
+            name=str((sweep / str(num)).relative_to(root.parent)),
+            status=NOT_STARTED,
+            overrides=list(job),
+            config=config,
+            choices=choices,
+        )
         for num, job in enumerate(jobs)
         if str(num) not in present
     ]

@@ -111,6 +111,7 @@ def test_report_shows_known_numbers_with_error_bars_and_noise_flags(sweeps: tupl
     row = line_with(tables["All cells"], "4096", "3", "True", f"{CHECK_STEP_RESULT} ± 1.2")
     assert "4.000" in cells(row)  # 2 h on 1 node x 2 GPUs
     assert "3/4" in line_with(tables["All cells"], "2048", "1", "False", "73.2 ± 1.2")  # one seed of four failed
+    assert "3/4" in line_with(tables["All cells"], "4096", "1", "False", "80.2 ± 1.2")  # one never started
 
     # 1 vs 3 turns at 2048: +3.2 points, beyond noise; at 4096 the articles' 80.2 vs 80.4: +0.2, within noise.
     turns = tables["agent.max_turns"]
