@@ -287,10 +287,10 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     metric = report.metric
     done = int((report.runs.status == COMPLETED).sum())
     intro = (
-        f"Sources: {', '.join(sources)}. {len(report.runs)} runs: {done} completed, {len(report.problems)} not "
-        f"(listed at the end, left out of every number). Metric: {METRICS[metric]} (`{metric}`"
-        f"{', percent' if metric in ACCURACY_METRICS else ''}). Cells show mean ± 95% confidence interval over seeds "
-        "(t distribution); a cell with one seed has no error bar."
+        f"Sources: {', '.join(sources)}. {len(report.runs)} runs: {done} completed, {len(report.problems)} failed, "
+        f"unfinished or not started (listed at the end, left out of every number). Metric: {METRICS[metric]} "
+        f"(`{metric}`{', percent' if metric in ACCURACY_METRICS else ''}). Cells show mean ± 95% confidence "
+        "interval over seeds (t distribution); a cell with one seed has no error bar."
     )
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
     cells = (

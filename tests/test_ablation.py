@@ -17,6 +17,7 @@ from scipy import stats
 from experiments.config import build_components
 from tests.conftest import ROOT, launch
 from tests.test_config import CONF, options
+from tests.test_report import out_tables, table_rows
 
 GRIDS = [o for o in options("experiment") if o.startswith("ablation_")]
 SWEPT = {
@@ -100,11 +101,12 @@ def test_a_tiny_grid_goes_from_launch_to_report(
         turns = next(o.split("=")[1] for o in summary["overrides"] if o.startswith("agent.max_turns="))
         lines = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         finals[turns].append([m["val/accuracy"] for m in lines if "val/accuracy" in m][-1])
+    rows = {row["agent.max_turns"]: row for row in table_rows(out_tables(md)["All cells"])}
+    assert sorted(rows) == ["1", "3"]
     for turns, values in finals.items():
         mean = sum(values) / 2
         half = stats.t.ppf(0.975, 1) * math.sqrt(sum((v - mean) ** 2 for v in values)) / math.sqrt(2)
-        row = next(line for line in md.splitlines() if line.startswith(f"| {turns} ") and "| 2/2 " in line)
-        assert f"| {100 * mean:.1f} ± {100 * half:.1f} " in row
+        assert rows[turns]["seeds"] == "2/2" and rows[turns]["val_final"] == f"{100 * mean:.1f} ± {100 * half:.1f}"
 
     # W&B: one offline run per run directory; group = the sweep, tag = the swept value, name = the overrides.
     for path, summary in zip(runs, summaries, strict=True):

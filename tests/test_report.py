@@ -141,6 +141,13 @@ def test_report_shows_known_numbers_with_error_bars_and_noise_flags(sweeps: tupl
     assert "![Learning curves](curves.png)" in md and page.count("data:image/png;base64,") == 2
 
 
+def table_rows(section: str) -> list[dict[str, str]]:
+    """A markdown table's rows as {column: cell}."""
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+
+
 def out_tables(md: str) -> dict[str, str]:
     """The report's sections by heading (factor sections by their key)."""
     sections: dict[str, str] = {}
