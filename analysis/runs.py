@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
+
+from experiments.run_dir import sweep_overrides
 
 COMPLETED, FAILED, UNFINISHED, NOT_STARTED = "completed", "failed", "unfinished", "not started"
 WANDB_PREFIX = "wandb:"
@@ -108,13 +109,7 @@ def load_run_dir(path: Path, root: Path) -> Run:
 def _not_started(sweep: Path, root: Path, siblings: list[Run]) -> list[Run]:
     """The jobs `multirun.yaml` defines that have no run directory (still queued, or never launched). Beyond its
     overrides, such a job's values are read from a sibling run's config (the sweep's shared settings)."""
-    multirun = sweep / "multirun.yaml"
-    if not multirun.is_file():
-        return []
-    conf = OmegaConf.load(multirun)
-    params = OmegaConf.select(conf, "hydra.sweeper.params") or {}
-    given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(conf, "hydra.overrides.task") or [])
-    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(given), None)
+    batches = BasicSweeper.split_arguments(sweep_overrides(sweep), None)  # the sweep's own job order
     jobs = [job for batch in batches for job in batch]
     present = {Path(run.name).name for run in siblings}
     config, choices = (siblings[0].config, siblings[0].choices) if siblings else ({}, {})

@@ -9,6 +9,10 @@ import subprocess
 from pathlib import Path
 from typing import Any, Protocol
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -67,6 +71,18 @@ class RunDir:
         tmp = self.summary_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
         tmp.replace(self.summary_file)
+
+
+def sweep_overrides(sweep_dir: Path) -> list[Override]:
+    """What a sweep directory's `multirun.yaml` asked for: the preset's `hydra.sweeper.params`, then the command
+    line (as Hydra's basic sweeper combines them); empty for a directory that is not a sweep."""
+    multirun = sweep_dir / "multirun.yaml"
+    if not multirun.is_file():
+        return []
+    conf = OmegaConf.load(multirun)
+    params = OmegaConf.select(conf, "hydra.sweeper.params") or {}
+    given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(conf, "hydra.overrides.task") or [])
+    return OverridesParser.create().parse_overrides(given)
 
 
 def git_commit(repo: Path | None = None) -> str | None:

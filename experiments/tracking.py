@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.run_dir import RunDir
+from experiments.run_dir import RunDir, sweep_overrides
 
 MODES = ("auto", "online", "offline", "disabled")
 # Keys a sweep varies that are not ablation factors.
@@ -26,15 +25,8 @@ SUMMARY_KEYS = ("status", "error", "wall_s", "steps", "val_accuracy_before", "va
 
 
 def swept_keys(sweep_dir: Path) -> list[str]:
-    """The keys a multirun sweeps (command line and `hydra.sweeper.params`), read from its `multirun.yaml`."""
-    multirun = sweep_dir / "multirun.yaml"
-    if not multirun.is_file():
-        return []
-    conf = OmegaConf.load(multirun)
-    params = OmegaConf.select(conf, "hydra.sweeper.params") or {}
-    given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(conf, "hydra.overrides.task") or [])
-    parsed = OverridesParser.create().parse_overrides(given)
-    return sorted({o.key_or_group for o in parsed if o.is_sweep_override()})
+    """The keys a multirun sweeps (command line and `hydra.sweeper.params`)."""
+    return sorted({o.key_or_group for o in sweep_overrides(sweep_dir) if o.is_sweep_override()})
 
 
 def env_free_config(cfg: DictConfig) -> dict[str, Any]:
