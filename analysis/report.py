@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.runs import COMPLETED, Run, load, override_key
+from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load, override_key
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -340,11 +340,11 @@ def write(report: Report, runs: list[Run], factors: list[str], sources: list[str
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
-    parser.add_argument("sources", nargs="+", help="run or sweep directories, or wandb:entity/project")
+    parser.add_argument("sources", nargs="+", help="run or sweep directories, or wandb:entity/project[/group]")
     parser.add_argument("--out", type=Path, help="where to write the report (default: the first directory given)")
     parser.add_argument("--metric", default="val_final", choices=sorted(METRICS), help="the metric the tables compare")
     args = parser.parse_args(argv)
-    local = [s for s in args.sources if not s.startswith("wandb:")]
+    local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
     out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
     runs = load(args.sources)
     if not runs:

@@ -55,7 +55,7 @@ def override_key(override: str) -> str:
 
 
 def load(sources: list[str]) -> list[Run]:
-    """Every run under each source: a run directory, a sweep directory, a tree of them, or `wandb:entity/project`."""
+    """Every run under each source: a run or sweep directory, a tree of them, or `wandb:entity/project[/group]`."""
     runs: list[Run] = []
     for source in sources:
         if source.startswith(WANDB_PREFIX):
@@ -128,13 +128,15 @@ def _not_started(sweep: Path, root: Path, siblings: list[Run]) -> list[Run]:
 
 
 def load_wandb(path: str, api: Any = None) -> list[Run]:
-    """Runs of a W&B project (`entity/project`) logged with `logger=wandb` (online: needs WANDB_API_KEY)."""
+    """Runs of a W&B project (`entity/project`, or `entity/project/<group>` for one sweep) logged with
+    `logger=wandb`; online, with WANDB_API_KEY set."""
     if api is None:
         import wandb
 
         api = wandb.Api()
+    entity, project, *group = path.split("/", 2)
     runs = []
-    for remote in api.runs(path):
+    for remote in api.runs(f"{entity}/{project}", filters={"group": group[0]} if group else None):
         config = dict(remote.config)
         summary = dict(remote.summary_metrics)
         status = summary.get("status") or {"running": UNFINISHED, "finished": COMPLETED}.get(remote.state, FAILED)

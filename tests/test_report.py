@@ -183,11 +183,11 @@ def test_a_wandb_project_reads_like_run_directories() -> None:
             return self.rows
 
     class FakeApi:
-        def runs(self, path: str) -> list[FakeRun]:
-            assert path == "me/agentic-rl"
+        def runs(self, path: str, filters: dict | None) -> list[FakeRun]:
+            assert path == "me/agentic-rl" and filters == {"group": "ablation_turns/2026-11-21_22-16-17"}
             return [FakeRun(1, 0, "finished"), FakeRun(3, 0, "finished"), FakeRun(3, 1, "running")]
 
-    runs = load_wandb("me/agentic-rl", FakeApi())
+    runs = load_wandb("me/agentic-rl/ablation_turns/2026-11-21_22-16-17", FakeApi())
     built, factors = report.build(runs)
     assert factors == ["agent.max_turns"]
     assert list(built.runs.status) == ["completed", "completed", "unfinished"]
