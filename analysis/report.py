@@ -73,7 +73,7 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "source": run.source,
                 "run": run.name,
                 "status": run.status,
-                **{f: run.value(f) for f in factors},
+                **{f: _cell_value(run.value(f)) for f in factors},
                 "seed": run.value("seed"),
                 "val_initial": val[0] if val else None,
                 "val_final": val[-1] if val else None,
@@ -88,7 +88,15 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "overrides": " ".join(run.overrides),
             }
         )
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    numeric = ["val_initial", "val_final", "val_best", "reward_final", "steps", "wall_s", "gpus", "gpu_hours", "tokens"]
+    table[numeric] = table[numeric].apply(pd.to_numeric)
+    return table
+
+
+def _cell_value(value: Any) -> Any:
+    """Lists and mappings (`finetune.target_modules=[q_proj,v_proj]`) as text, so that cells can be grouped."""
+    return str(value) if isinstance(value, list | dict) else value
 
 
 @dataclass
@@ -156,7 +164,7 @@ def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
     rows = []
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
-        total = len(_in_cell(table, factors, cell)) if factors else len(table)
+        total = len(_in_cell(table, factors, cell))
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
         for metric in ("val_initial", "val_final", "val_best", "reward_final"):
@@ -179,8 +187,8 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
     levels = list(dict.fromkeys(done[factor].map(repr)))
     values = {repr(v): v for v in done[factor]}
     rows = []
-    for context in _cells(done, others) if others else [()]:
-        group = _in_cell(done, others, context) if others else done
+    for context in _cells(done, others) if levels else []:
+        group = _in_cell(done, others, context)
         base = group[group[factor].map(repr) == levels[0]]
         present = [lv for lv in levels if (group[factor].map(repr) == lv).any()]
         if base.empty or len(present) < 2:
@@ -216,7 +224,7 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
     by_name = {(r.source, r.name): r for r in runs}
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for cell in _cells(done, factors):
-        members = _in_cell(done, factors, cell) if factors else done
+        members = _in_cell(done, factors, cell)
         frames = [
             pd.DataFrame(by_name[(row.source, row.run)].metrics).assign(run=row.run) for row in members.itertuples()
         ]
@@ -250,7 +258,7 @@ def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path
     scale = 100 if metric in ACCURACY_METRICS else 1
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for cell in _cells(done, factors):
-        runs = _in_cell(done, factors, cell) if factors else done
+        runs = _in_cell(done, factors, cell)
         x = runs[cost].mean() / (1 if use_gpu else 3600)
         e = Estimate.of(runs[metric])
         ax.errorbar(
@@ -259,7 +267,8 @@ def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path
     ax.set_xlabel(unit)
     ax.set_ylabel(METRICS[metric] + (" (%)" if scale == 100 else ""))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(done):
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -29,7 +29,9 @@ def write_run(
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     choices = {"model": "qwen25_coder_3b", "experiment": config.get("experiment_name", "x")}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
-    if val is None:
+    if val is None:  # ended before its first validation, or not ended
+        if summary is not None:
+            (path / "summary.json").write_text(json.dumps(summary))
         return
     lines = [{"step": 0, "val/accuracy": 0.6}]
     for step in range(1, 5):
@@ -166,6 +168,23 @@ def test_a_single_seed_has_no_error_bar_and_no_verdict(tmp_path: Path) -> None:
     md = (out / "report.md").read_text()
     assert {"+2.0", "no error bar (n < 2)"} <= cells(line_with(out_tables(md)["agent.max_turns"], "53.0"))
     assert "51.0" in cells(line_with(out_tables(md)["All cells"], "1", "1/1"))
+
+
+def test_a_sweep_where_every_run_failed_still_gets_a_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for num, (turns, modules) in enumerate([(1, ["q_proj", "v_proj"]), (3, ["q_proj"])]):
+        overrides = [f"agent.max_turns={turns}", f"finetune.target_modules=[{','.join(modules)}]"]
+        config = config_of(2048, turns, False, 0) | {"finetune": {"target_modules": modules}}
+        summary = {"status": "failed", "error": f"ValueError: bad {turns}\nTraceback", "wall_s": 1.0, "device": "cpu"}
+        write_run(tmp_path / "s" / str(num), overrides, config, summary, None)
+    out = report.main([str(tmp_path / "s")])
+    md = (out / "report.md").read_text()
+    assert "factors: agent.max_turns, finetune.target_modules\n" in capsys.readouterr().out
+    assert list(pd.read_csv(out / "runs.csv")["finetune.target_modules"]) == ["['q_proj', 'v_proj']", "['q_proj']"]
+    problems = table_rows(out_tables(md)["Failed and unfinished runs"])
+    assert [(p["run"], p["status"], p["error"]) for p in problems] == [
+        ("s/0", "failed", "ValueError: bad 1"),
+        ("s/1", "failed", "ValueError: bad 3"),
+    ]
 
 
 def test_a_wandb_project_reads_like_run_directories() -> None:
