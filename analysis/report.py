@@ -15,6 +15,7 @@ import argparse
 import base64
 import html
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,6 +322,11 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     return out
 
 
+def _html_text(text: str) -> str:
+    """Escaped, with `code` spans as <code>."""
+    return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+
+
 def write(report: Report, runs: list[Run], factors: list[str], sources: list[str], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     curves_figure(runs, report.runs, factors, out / "curves.png")
@@ -337,7 +343,7 @@ def write(report: Report, runs: list[Run], factors: list[str], sources: list[str
             body.append(f'<img alt="{html.escape(heading)}" src="data:image/png;base64,{encoded}">')
         elif text:
             md.append(text + "\n")
-            body.append(f"<p>{html.escape(text)}</p>")
+            body.append(f"<p>{_html_text(text)}</p>")
         if table is not None:
             md.append(table.to_markdown(index=False, disable_numparse=True) + "\n")
             body.append(table.to_html(index=False, na_rep="", border=1))
