@@ -1,12 +1,12 @@
 """An ablation report from run directories (or a W&B project): one pandas table, `report.md` and `report.html`.
 
-    python -m analysis.report outputs/sweeps/<time> [more dirs | wandb:entity/project] [--out DIR] [--metric val_final]
+    python -m analysis.report outputs/sweeps/<time> [more dirs | wandb:entity/project[/group]] [--out DIR]
 
-Factors are the override keys whose value differs between runs (seed and experiment are not factors); a cell is one
-combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95% confidence interval over
-seeds (t distribution, n - 1 degrees of freedom). Per factor: each cell against the baseline cell (the factor's first
-value, the others held fixed), the difference with its 95% CI (Welch's t) and a flag saying whether the difference
-is within noise (the CI contains 0). Failed, unfinished and not-started runs are listed, never used in the numbers.
+Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths); a cell
+is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95% confidence interval
+over seeds (t distribution, n - 1 degrees of freedom). Per factor: each cell against the baseline cell (the factor's
+first value, the others held fixed), the difference with its 95% CI (Welch's t) and a flag saying whether the
+difference is within noise (the CI contains 0). Failed, unfinished and not-started runs are listed, never averaged.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load, override_key
+from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load
+from experiments.run_dir import is_factor, override_key
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-NOT_FACTORS = {"seed", "experiment"}
 ACCURACY_METRICS = {"val_initial", "val_final", "val_best"}  # fractions, shown as percentages
 METRICS = {
     "val_final": "validation accuracy at the last step",
@@ -58,7 +58,7 @@ def gpus_of(run: Run) -> int | None:
 def factor_keys(runs: list[Run]) -> list[str]:
     """Override keys (in first-seen order) whose value differs between runs."""
     keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides))
-    keys = [k for k in keys if k not in NOT_FACTORS and not k.startswith("hydra")]
+    keys = [k for k in keys if is_factor(k)]
     return [k for k in keys if len({repr(run.value(k)) for run in runs}) > 1]
 
 

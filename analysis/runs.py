@@ -16,7 +16,7 @@ import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.run_dir import sweep_overrides
+from experiments.run_dir import override_key, sweep_overrides
 
 COMPLETED, FAILED, UNFINISHED, NOT_STARTED = "completed", "failed", "unfinished", "not started"
 WANDB_PREFIX = "wandb:"
@@ -48,10 +48,6 @@ class Run:
             return self.choices[key]
         node = OmegaConf.select(OmegaConf.create(self.config), key, throw_on_resolution_failure=False)
         return node.get("name") if isinstance(node, DictConfig) else node
-
-
-def override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
 
 
 def load(sources: list[str]) -> list[Run]:

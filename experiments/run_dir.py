@@ -73,6 +73,20 @@ class RunDir:
         tmp.replace(self.summary_file)
 
 
+# What a sweep may vary that is not an ablation factor (tracking tags, report tables): seeds are replicates, an
+# experiment is a bundle of values (its keys are compared instead), the rest does not change what is trained.
+NOT_FACTORS = {"seed", "experiment", "logger", "hydra", "paths"}
+
+
+def is_factor(key: str) -> bool:
+    return key.split(".")[0] not in NOT_FACTORS
+
+
+def override_key(override: str) -> str:
+    """`agent.max_turns` for `agent.max_turns=3`, `+x=1` and `~x`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def sweep_overrides(sweep_dir: Path) -> list[Override]:
     """What a sweep directory's `multirun.yaml` asked for: the preset's `hydra.sweeper.params`, then the command
     line (as Hydra's basic sweeper combines them); empty for a directory that is not a sweep."""

@@ -2,8 +2,9 @@
 to Weights & Biases (`conf/logger/wandb.yaml`).
 
 Offline (into `<run>/wandb/`, `wandb sync` uploads it later) unless `WANDB_API_KEY` is set. group = the sweep,
-tags = the swept keys' values, name = the run's overrides. The config sent is the composed one with every value
-read from the environment left as its `${oc.env:...}` interpolation, so no key or endpoint leaves in it.
+tags = the swept keys' values, name = the run's overrides (less the logger's). The config sent is the composed one
+with every value read from the environment left as its `${oc.env:...}` interpolation, so no key or endpoint leaves
+in it.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.run_dir import RunDir, sweep_overrides
+from experiments.run_dir import RunDir, is_factor, override_key, sweep_overrides
 
 MODES = ("auto", "online", "offline", "disabled")
-# Keys a sweep varies that are not ablation factors.
-NOT_FACTORS = {"seed", "experiment"}
 # summary.json keys mirrored into the W&B run summary.
 SUMMARY_KEYS = ("status", "error", "wall_s", "steps", "val_accuracy_before", "val_accuracy_after", "device")
 
@@ -45,6 +45,8 @@ def env_free_config(cfg: DictConfig) -> dict[str, Any]:
 
 @dataclass
 class WandbLogger:
+    """`logger=wandb`: one W&B run per run directory, fed by `RunDir.log` and closed with the run's summary."""
+
     name: str = "wandb"
     project: str = "agentic-rl"
     entity: str | None = None
@@ -64,13 +66,14 @@ class WandbLogger:
     def start(self, run: RunDir, cfg: DictConfig, hydra: DictConfig) -> None:
         import wandb  # the `wandb` extra; only a run with logger=wandb needs it
 
+        task = {override_key(o): o for o in hydra.overrides.task}
         group, tags = None, list(self.tags)
-        if str(hydra.mode) == "RunMode.MULTIRUN":
+        if hydra.mode == RunMode.MULTIRUN:
             sweep_dir = Path(hydra.sweep.dir)
             experiment = hydra.runtime.choices.get("experiment")
             group = f"{experiment}/{sweep_dir.name}" if experiment else sweep_dir.name
-            task = {o.split("=", 1)[0].lstrip("+~"): o for o in hydra.overrides.task}
-            tags += [task[k][:64] for k in swept_keys(sweep_dir) if k in task and k not in NOT_FACTORS]
+            tags += [task[k][:64] for k in swept_keys(sweep_dir) if k in task and is_factor(k)]
+        name = ",".join(sorted(o for k, o in task.items() if not k.startswith(("logger", "hydra")))) or None
         self._run = wandb.init(
             project=self.project,
             entity=self.entity,
@@ -78,7 +81,7 @@ class WandbLogger:
             dir=str(run.path),
             group=group,
             tags=tags,
-            name=hydra.job.override_dirname or None,
+            name=name,
             config=env_free_config(cfg)
             | {"hydra_overrides": list(hydra.overrides.task), "hydra_choices": dict(hydra.runtime.choices)},
             settings=wandb.Settings(console="off", save_code=False, disable_git=True),
