@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.run_dir import override_key, sweep_overrides
@@ -41,9 +41,9 @@ class Run:
 
     def value(self, key: str) -> Any:
         """A config key's value in this run; a config group's option name for a group (`model`)."""
-        given = [o.split("=", 1)[1] for o in self.overrides if override_key(o) == key]
+        given = [o for o in self.overrides if override_key(o) == key]
         if self.status == NOT_STARTED and given:  # its own overrides; a sibling's config stands in for the rest
-            return yaml.safe_load(given[-1])
+            return OverridesParser.create().parse_override(given[-1]).value()
         if key in self.choices:
             return self.choices[key]
         node = OmegaConf.select(OmegaConf.create(self.config), key, throw_on_resolution_failure=False)
