@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS := trl,dev
+EXTRAS := trl,analysis,wandb,dev
 
 .PHONY: setup run test lint
 setup: $(VENV)/.installed

@@ -47,21 +47,23 @@ def check_schema(group: str, node: DictConfig) -> None:
         raise ConfigError(f"{group}.{key}: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
 
 
+def build_group(cfg: DictConfig, group: str) -> Any:
+    """Validate and instantiate one group's option; None for an empty option (such as `warmstart=none`)."""
+    node = cfg.get(group)
+    if not node:
+        return None
+    check_schema(group, node)
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as exc:
+        cause = exc.__cause__ or exc
+        message = str(cause)
+        raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
+
+
 def build_components(cfg: DictConfig) -> dict[str, Any]:
     """Instantiate every component group, then check what spans groups."""
-    built: dict[str, Any] = {}
-    for group in COMPONENT_GROUPS:
-        node = cfg.get(group)
-        if not node:  # an empty option, such as warmstart=none
-            built[group] = None
-            continue
-        check_schema(group, node)
-        try:
-            built[group] = instantiate(node, _convert_="all")
-        except InstantiationException as exc:
-            cause = exc.__cause__ or exc
-            message = str(cause)
-            raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
+    built = {group: build_group(cfg, group) for group in COMPONENT_GROUPS}
     check_cross_group(built)
     return built
 

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method
 from omegaconf import DictConfig
 
+from experiments.config import build_group
 from experiments.run_dir import RunDir, git_commit
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
@@ -25,22 +26,29 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     overrides = list(hydra.overrides.task)
     base = {"job": cfg.job.name, "run_dir": str(run.path), "git_commit": git_commit(), "overrides": overrides}
     start = time.monotonic()
+    tracker = None
     try:
+        tracker = build_group(cfg, "logger")  # logger=none: metrics.jsonl only
+        if tracker is not None:
+            tracker.start(run, cfg, hydra)
+            run.trackers.append(tracker)
         results = job(cfg, run)
     except BaseException as exc:
-        run.write_summary(
-            base
-            | {
-                "status": "failed",
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-                "wall_s": time.monotonic() - start,
-            }
-        )
+        failed = base | {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+            "wall_s": time.monotonic() - start,
+        }
+        run.write_summary(failed)
+        if tracker is not None:
+            tracker.finish(failed)
         print(f"run directory: {run.path}\nstatus: failed: {type(exc).__name__}: {exc}", flush=True)
         raise
     summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
     run.write_summary(summary)
+    if tracker is not None:
+        tracker.finish(summary)
     print(f"run directory: {run.path}", flush=True)
     print(json.dumps(summary, indent=2, default=str), flush=True)
     return summary

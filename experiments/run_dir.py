@@ -7,7 +7,11 @@ import json
 import math
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from omegaconf import OmegaConf
 
 
 def _jsonable(value: Any) -> Any:
@@ -16,11 +20,18 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+class Tracker(Protocol):
+    """Receives every step's metrics as they are written (`logger=wandb`: experiments/tracking.py)."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+
 class RunDir:
     """Writes a run's metrics, samples and summary. `metrics.jsonl` holds one object per step, `step` first."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.trackers: list[Tracker] = []
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.samples = self.path / "samples"
@@ -34,9 +45,11 @@ class RunDir:
         return self.path / "summary.json"
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        line = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        values = {k: _jsonable(v) for k, v in metrics.items()}
         with self.metrics_file.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        for tracker in self.trackers:
+            tracker.log(step, values)
 
     def metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_file.is_file():
@@ -58,6 +71,32 @@ class RunDir:
         tmp = self.summary_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
         tmp.replace(self.summary_file)
+
+
+# What a sweep may vary that is not an ablation factor (tracking tags, report tables): seeds are replicates, an
+# experiment is a bundle of values (its keys are compared instead), the rest does not change what is trained.
+NOT_FACTORS = {"seed", "experiment", "logger", "hydra", "paths"}
+
+
+def is_factor(key: str) -> bool:
+    return key.split(".")[0] not in NOT_FACTORS
+
+
+def override_key(override: str) -> str:
+    """`agent.max_turns` for `agent.max_turns=3`, `+x=1` and `~x`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def sweep_overrides(sweep_dir: Path) -> list[Override]:
+    """What a sweep directory's `multirun.yaml` asked for: the preset's `hydra.sweeper.params`, then the command
+    line (as Hydra's basic sweeper combines them); empty for a directory that is not a sweep."""
+    multirun = sweep_dir / "multirun.yaml"
+    if not multirun.is_file():
+        return []
+    conf = OmegaConf.load(multirun)
+    params = OmegaConf.select(conf, "hydra.sweeper.params") or {}
+    given = [f"{k}={v}" for k, v in params.items()] + list(OmegaConf.select(conf, "hydra.overrides.task") or [])
+    return OverridesParser.create().parse_overrides(given)
 
 
 def git_commit(repo: Path | None = None) -> str | None:

@@ -1,0 +1,375 @@
+"""An ablation report from run directories (or a W&B project): one pandas table, `report.md` and `report.html`.
+
+    python -m analysis.report outputs/sweeps/<time> [more dirs | wandb:entity/project[/group]] [--out DIR]
+
+Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths); a cell
+is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95% confidence interval
+over seeds (t distribution, n - 1 degrees of freedom). Per factor: each cell against the baseline cell (the factor's
+first value, the others held fixed), the difference with its 95% CI (Welch's t) and a flag saying whether the
+difference is within noise (the CI contains 0). Failed, unfinished and not-started runs are listed, never averaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load
+from experiments.run_dir import is_factor, override_key
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ACCURACY_METRICS = {"val_initial", "val_final", "val_best"}  # fractions, shown as percentages
+METRICS = {
+    "val_final": "validation accuracy at the last step",
+    "val_best": "best validation accuracy over steps",
+    "val_initial": "validation accuracy before GRPO",
+    "reward_final": "training reward at the last step",
+}
+WITHIN_NOISE, BEYOND_NOISE, NO_ERROR_BAR = "within noise", "beyond noise", "no error bar (n < 2)"
+
+
+def _last(metrics: list[dict[str, Any]], key: str) -> float | None:
+    values = [m[key] for m in metrics if m.get(key) is not None]
+    return values[-1] if values else None
+
+
+def gpus_of(run: Run) -> int | None:
+    """GPUs the run held: `resources` when the config has it, else 1 on CUDA and 0 on CPU; None if unknown."""
+    resources = run.config.get("resources") or {}
+    if resources.get("nodes") and resources.get("gpus_per_node") is not None:
+        return int(resources["nodes"]) * int(resources["gpus_per_node"])
+    device = run.summary.get("device")
+    return None if device is None else int(device == "cuda")
+
+
+def factor_keys(runs: list[Run]) -> list[str]:
+    """Override keys (in first-seen order) whose value differs between runs."""
+    keys = list(dict.fromkeys(override_key(o) for run in runs for o in run.overrides))
+    keys = [k for k in keys if is_factor(k)]
+    return [k for k in keys if len({repr(run.value(k)) for run in runs}) > 1]
+
+
+def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
+    """One row per run: factors, seed, status, metrics, cost."""
+    rows = []
+    for run in runs:
+        val = [m["val/accuracy"] for m in run.metrics if m.get("val/accuracy") is not None]
+        wall_s = run.summary.get("wall_s")
+        gpus = gpus_of(run)
+        rows.append(
+            {
+                "source": run.source,
+                "run": run.name,
+                "status": run.status,
+                **{f: _cell_value(run.value(f)) for f in factors},
+                "seed": run.value("seed"),
+                "val_initial": val[0] if val else None,
+                "val_final": val[-1] if val else None,
+                "val_best": max(val) if val else None,
+                "reward_final": _last(run.metrics, "train/reward_mean"),
+                "steps": max((m["step"] for m in run.metrics), default=None),
+                "wall_s": wall_s,
+                "gpus": gpus,
+                "gpu_hours": wall_s * gpus / 3600 if wall_s is not None and gpus is not None else None,
+                "tokens": _last(run.metrics, "train/num_tokens"),
+                "error": (run.error or "").splitlines()[0] if run.error else None,
+                "overrides": " ".join(run.overrides),
+            }
+        )
+    table = pd.DataFrame(rows)
+    numeric = ["val_initial", "val_final", "val_best", "reward_final", "steps", "wall_s", "gpus", "gpu_hours", "tokens"]
+    table[numeric] = table[numeric].apply(pd.to_numeric)
+    return table
+
+
+def _cell_value(value: Any) -> Any:
+    """Lists and mappings (`finetune.target_modules=[q_proj,v_proj]`) as text, so that cells can be grouped."""
+    return str(value) if isinstance(value, list | dict) else value
+
+
+@dataclass
+class Estimate:
+    """Mean and 95% CI half-width over n seeds (half-width None when n < 2)."""
+
+    mean: float
+    half: float | None
+    n: int
+
+    @classmethod
+    def of(cls, values: pd.Series) -> Estimate:
+        x = values.dropna().to_numpy(dtype=float)
+        n = len(x)
+        if n == 0:
+            return cls(math.nan, None, 0)
+        half = float(stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else None
+        return cls(float(x.mean()), half, n)
+
+
+def difference(base: pd.Series, other: pd.Series) -> tuple[float, float | None, float | None, float | None, str]:
+    """other - base: the difference of means, its 95% CI (Welch), the p-value and the noise flag."""
+    a, b = base.dropna().to_numpy(dtype=float), other.dropna().to_numpy(dtype=float)
+    diff = float(b.mean() - a.mean())
+    if len(a) < 2 or len(b) < 2:
+        return diff, None, None, None, NO_ERROR_BAR
+    if a.std(ddof=1) == 0 and b.std(ddof=1) == 0:  # no seed variance at all: the t-test is undefined
+        return diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE
+    test = stats.ttest_ind(b, a, equal_var=False)
+    ci = test.confidence_interval(0.95)
+    low, high = float(ci.low), float(ci.high)
+    return diff, low, high, float(test.pvalue), WITHIN_NOISE if low <= 0 <= high else BEYOND_NOISE
+
+
+def _fmt(value: float | None, metric: str, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    scale, digits = (100, 1) if metric in ACCURACY_METRICS else (1, 3)
+    return f"{value * scale:{'+' if signed else ''}.{digits}f}"
+
+
+def _fmt_estimate(e: Estimate, metric: str) -> str:
+    if e.n == 0:
+        return "n/a"
+    return f"{_fmt(e.mean, metric)} ± {_fmt(e.half, metric)}" if e.half is not None else _fmt(e.mean, metric)
+
+
+def _cells(done: pd.DataFrame, factors: list[str]) -> list[tuple[Any, ...]]:
+    """Cells in the order their first run appears (a sweep's order: its first value is the baseline)."""
+    if not factors:
+        return [()] if len(done) else []
+    return list(dict.fromkeys(tuple(row) for row in done[factors].itertuples(index=False)))
+
+
+def _in_cell(done: pd.DataFrame, factors: list[str], cell: tuple[Any, ...]) -> pd.DataFrame:
+    mask = pd.Series(True, index=done.index)
+    for f, v in zip(factors, cell, strict=True):
+        mask &= done[f].map(repr) == repr(v)
+    return done[mask]
+
+
+def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
+    """One row per cell: seeds, accuracy and reward as mean ± 95% CI, and cost per run."""
+    done = table[table.status == COMPLETED]
+    rows = []
+    for cell in _cells(done, factors):
+        runs = _in_cell(done, factors, cell)
+        total = len(_in_cell(table, factors, cell))
+        row: dict[str, Any] = dict(zip(factors, cell, strict=True))
+        row["seeds"] = f"{len(runs)}/{total}"
+        for metric in ("val_initial", "val_final", "val_best", "reward_final"):
+            row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
+        row["wall_h/run"] = _fmt_num(runs.wall_s.mean() / 3600)
+        row["gpu_h/run"] = _fmt_num(runs.gpu_hours.mean())
+        row["tokens/run"] = _fmt_num(runs.tokens.mean(), 0)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _fmt_num(value: Any, digits: int = 3) -> str:
+    return "n/a" if value is None or pd.isna(value) else f"{value:,.{digits}f}"
+
+
+def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: str) -> pd.DataFrame:
+    """Cells of `factor` against its baseline value, the other factors held fixed."""
+    done = table[table.status == COMPLETED]
+    others = [f for f in factors if f != factor]
+    levels = list(dict.fromkeys(done[factor].map(repr)))
+    values = {repr(v): v for v in done[factor]}
+    rows = []
+    for context in _cells(done, others) if levels else []:
+        group = _in_cell(done, others, context)
+        base = group[group[factor].map(repr) == levels[0]]
+        present = [lv for lv in levels if (group[factor].map(repr) == lv).any()]
+        if base.empty or len(present) < 2:
+            continue
+        for level in present:
+            runs = group[group[factor].map(repr) == level]
+            row: dict[str, Any] = dict(zip(others, context, strict=True))
+            row[factor] = values[level]
+            row["n"] = len(runs)
+            row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
+            if level == levels[0]:
+                row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": ""}
+            else:
+                diff, low, high, p, flag = difference(base[metric], runs[metric])
+                ci = f"[{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else "n/a"
+                row |= {
+                    "Δ vs baseline": _fmt(diff, metric, True),
+                    "95% CI of Δ": ci,
+                    "p": "n/a" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}",
+                    "noise": flag,
+                }
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _label(factors: list[str], cell: tuple[Any, ...]) -> str:
+    return ", ".join(f"{f}={v}" for f, v in zip(factors, cell, strict=True)) or "all runs"
+
+
+def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path: Path) -> None:
+    """Training reward and validation accuracy against step, one line per cell (mean over seeds, ±95% CI band)."""
+    done = table[table.status == COMPLETED]
+    by_name = {(r.source, r.name): r for r in runs}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    for cell in _cells(done, factors):
+        members = _in_cell(done, factors, cell)
+        frames = [
+            pd.DataFrame(by_name[(row.source, row.run)].metrics).assign(run=row.run) for row in members.itertuples()
+        ]
+        curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        for ax, key in zip(axes, ("train/reward_mean", "val/accuracy"), strict=True):
+            if key not in curves:
+                continue
+            per_step = curves.dropna(subset=[key]).groupby("step")[key]
+            mean, sem, n = per_step.mean(), per_step.sem(), per_step.count()
+            half = sem * stats.t.ppf(0.975, np.maximum(n - 1, 1))
+            line = ax.plot(mean.index, mean.values, marker=".", label=_label(factors, cell))[0]
+            ax.fill_between(mean.index, mean - half.fillna(0), mean + half.fillna(0), alpha=0.2, color=line.get_color())
+    for ax, title in zip(
+        axes, ("training reward (train/reward_mean)", "validation accuracy (val/accuracy)"), strict=True
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 2), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path) -> None:
+    """The metric (mean ± 95% CI) against cost per run: GPU-hours where known, else wall-clock hours."""
+    done = table[table.status == COMPLETED]
+    use_gpu = done.gpu_hours.notna().all() and (done.gpu_hours > 0).any()
+    cost, unit = ("gpu_hours", "GPU-hours per run") if use_gpu else ("wall_s", "wall-clock hours per run")
+    scale = 100 if metric in ACCURACY_METRICS else 1
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for cell in _cells(done, factors):
+        runs = _in_cell(done, factors, cell)
+        x = runs[cost].mean() / (1 if use_gpu else 3600)
+        e = Estimate.of(runs[metric])
+        ax.errorbar(
+            [x], [e.mean * scale], yerr=[(e.half or 0) * scale], fmt="o", capsize=4, label=_label(factors, cell)
+        )
+    ax.set_xlabel(unit)
+    ax.set_ylabel(METRICS[metric] + (" (%)" if scale == 100 else ""))
+    ax.grid(alpha=0.3)
+    if len(done):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclass
+class Report:
+    runs: pd.DataFrame
+    cells: pd.DataFrame
+    factors: dict[str, pd.DataFrame]
+    problems: pd.DataFrame
+    metric: str
+
+
+def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]]:
+    factors = factor_keys(runs)
+    table = run_table(runs, factors)
+    problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
+    per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
+    return Report(table, cell_table(table, factors), per_factor, problems, metric), factors
+
+
+def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.DataFrame | None]]:
+    """(heading, text, table) in report order; a figure goes where text names it."""
+    metric = report.metric
+    done = int((report.runs.status == COMPLETED).sum())
+    intro = (
+        f"Sources: {', '.join(sources)}. {len(report.runs)} runs: {done} completed, {len(report.problems)} failed, "
+        f"unfinished or not started (listed at the end, left out of every number). Metric: {METRICS[metric]} "
+        f"(`{metric}`{', percent' if metric in ACCURACY_METRICS else ''}). Cells show mean ± 95% confidence "
+        "interval over seeds (t distribution); a cell with one seed has no error bar."
+    )
+    out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
+    cells = (
+        "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
+        "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."
+    )
+    out.append(("All cells", cells, report.cells))
+    for factor, table in report.factors.items():
+        text = (
+            f"Each `{factor}` value against the baseline `{factor}` (its first value), the other factors fixed. "
+            "Δ: difference of means (percentage points for accuracy); its 95% CI and p from Welch's t-test; "
+            "`within noise` when that CI contains 0."
+        )
+        out.append((f"Factor `{factor}`", text, table if not table.empty else None))
+    out.append(("Learning curves", "curves.png", None))
+    out.append(("Cost next to accuracy", "cost.png", None))
+    problems = report.problems if not report.problems.empty else None
+    out.append(("Failed and unfinished runs", "" if problems is not None else "None.", problems))
+    return out
+
+
+def _html_text(text: str) -> str:
+    """Escaped, with `code` spans as <code>."""
+    return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+
+
+def write(report: Report, runs: list[Run], factors: list[str], sources: list[str], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    curves_figure(runs, report.runs, factors, out / "curves.png")
+    cost_figure(report.runs, factors, report.metric, out / "cost.png")
+    report.runs.to_csv(out / "runs.csv", index=False)
+    md, body = [], []
+    for heading, text, table in _sections(report, sources):
+        level = "#" if heading == "Ablation report" else "##"
+        md.append(f"{level} {heading}\n")
+        body.append(f"<h{len(level)}>{html.escape(heading.replace('`', ''))}</h{len(level)}>")
+        if text.endswith(".png"):
+            md.append(f"![{heading}]({text})\n")
+            encoded = base64.b64encode((out / text).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(heading)}" src="data:image/png;base64,{encoded}">')
+        elif text:
+            md.append(text + "\n")
+            body.append(f"<p>{_html_text(text)}</p>")
+        if table is not None:
+            md.append(table.to_markdown(index=False, disable_numparse=True) + "\n")
+            body.append(table.to_html(index=False, na_rep="", border=1))
+    (out / "report.md").write_text("\n".join(md), encoding="utf-8")
+    style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:2px 8px}"
+    page = f"<!doctype html><html><head><meta charset='utf-8'><title>Ablation report</title><style>{style}</style>"
+    (out / "report.html").write_text(f"{page}</head><body>{''.join(body)}</body></html>", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
+    parser.add_argument("sources", nargs="+", help="run or sweep directories, or wandb:entity/project[/group]")
+    parser.add_argument("--out", type=Path, help="where to write the report (default: the first directory given)")
+    parser.add_argument("--metric", default="val_final", choices=sorted(METRICS), help="the metric the tables compare")
+    args = parser.parse_args(argv)
+    local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
+    out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
+    runs = load(args.sources)
+    if not runs:
+        parser.error(f"no runs found under {' '.join(args.sources)}")
+    report, factors = build(runs, args.metric)
+    write(report, runs, factors, args.sources, out)
+    print(f"{len(runs)} runs ({len(report.problems)} failed or unfinished), factors: {', '.join(factors) or 'none'}")
+    print(f"report: {out / 'report.md'} and {out / 'report.html'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Tracking beyond `metrics.jsonl` (which every run writes): `logger=wandb` mirrors a run's step metrics and summary
+to Weights & Biases (`conf/logger/wandb.yaml`).
+
+Offline (into `<run>/wandb/`, `wandb sync` uploads it later) unless `WANDB_API_KEY` is set. group = the sweep,
+tags = the swept keys' values, name = the run's overrides (less the logger's). The config sent is the composed one
+with every value read from the environment left as its `${oc.env:...}` interpolation, so no key or endpoint leaves
+in it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.run_dir import RunDir, is_factor, override_key, sweep_overrides
+
+MODES = ("auto", "online", "offline", "disabled")
+# summary.json keys mirrored into the W&B run summary.
+SUMMARY_KEYS = ("status", "error", "wall_s", "steps", "val_accuracy_before", "val_accuracy_after", "device")
+
+
+def swept_keys(sweep_dir: Path) -> list[str]:
+    """The keys a multirun sweeps (command line and `hydra.sweeper.params`)."""
+    return sorted({o.key_or_group for o in sweep_overrides(sweep_dir) if o.is_sweep_override()})
+
+
+def env_free_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config, except that a value read from the environment (`${oc.env:...}`, directly or through
+    another interpolation) stays the interpolation text."""
+
+    def escape(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: escape(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [escape(v) for v in node]
+        return node.replace("${", "\\${") if isinstance(node, str) and "oc.env" in node else node
+
+    return OmegaConf.to_container(OmegaConf.create(escape(OmegaConf.to_container(cfg, resolve=False))), resolve=True)
+
+
+@dataclass
+class WandbLogger:
+    """`logger=wandb`: one W&B run per run directory, fed by `RunDir.log` and closed with the run's summary."""
+
+    name: str = "wandb"
+    project: str = "agentic-rl"
+    entity: str | None = None
+    mode: str = "auto"
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"logger.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self._run: Any = None
+
+    def resolved_mode(self) -> str:
+        if self.mode == "auto":
+            return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        return self.mode
+
+    def start(self, run: RunDir, cfg: DictConfig, hydra: DictConfig) -> None:
+        import wandb  # the `wandb` extra; only a run with logger=wandb needs it
+
+        task = {override_key(o): o for o in hydra.overrides.task}
+        group, tags = None, list(self.tags)
+        if hydra.mode == RunMode.MULTIRUN:
+            sweep_dir = Path(hydra.sweep.dir)
+            experiment = hydra.runtime.choices.get("experiment")
+            group = f"{experiment}/{sweep_dir.name}" if experiment else sweep_dir.name
+            tags += [task[k][:64] for k in swept_keys(sweep_dir) if k in task and is_factor(k)]
+        name = ",".join(sorted(o for k, o in task.items() if not k.startswith(("logger", "hydra")))) or None
+        self._run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            mode=self.resolved_mode(),
+            dir=str(run.path),
+            group=group,
+            tags=tags,
+            name=name,
+            config=env_free_config(cfg)
+            | {"hydra_overrides": list(hydra.overrides.task), "hydra_choices": dict(hydra.runtime.choices)},
+            settings=wandb.Settings(console="off", save_code=False, disable_git=True),
+            reinit="finish_previous",
+        )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self._run.log(metrics, step=step)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self._run is None:
+            return
+        self._run.summary.update({k: summary[k] for k in SUMMARY_KEYS if k in summary})
+        self._run.finish(exit_code=0 if summary.get("status") == "completed" else 1)
+        self._run = None

@@ -1,0 +1,214 @@
+"""analysis.report on run directories with known numbers: the seed articles' 3B results come out exactly, with
+error bars, differences to the baseline and a noise flag; failed, unfinished and not-started runs are listed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import yaml
+
+from analysis import report
+from analysis.runs import load_wandb
+
+# The seed articles' Qwen2.5-Coder-3B results (validation accuracy, %) per (max prompt length, agent turns).
+SEED_RESULTS = {(2048, 1): 73.2, (2048, 3): 76.4, (4096, 1): 80.2, (4096, 3): 80.4}
+CHECK_STEP_RESULT = 77.6  # with the check step, at 4096 / 3 turns
+SPREAD = (-0.005, 0.0, 0.005)  # seeds 0, 1, 2 around the cell mean: sd 0.5 points
+
+
+def write_run(
+    path: Path, overrides: list[str], config: dict[str, Any], summary: dict | None, val: float | None
+) -> None:
+    """A run directory as experiments/job.py and the TRL backend write it: validation at 0, 2, 4; reward per step."""
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    choices = {"model": "qwen25_coder_3b", "experiment": config.get("experiment_name", "x")}
+    (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
+    if val is None:  # ended before its first validation, or not ended
+        if summary is not None:
+            (path / "summary.json").write_text(json.dumps(summary))
+        return
+    lines = [{"step": 0, "val/accuracy": 0.6}]
+    for step in range(1, 5):
+        line: dict[str, Any] = {"step": step, "train/reward_mean": 0.1 * step, "train/num_tokens": 1000.0 * step}
+        if step % 2 == 0:
+            line["val/accuracy"] = val - 0.01 if step == 2 else val
+        lines.append(line)
+    if summary is None:  # still running: two steps so far
+        lines = lines[:3]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+
+
+def config_of(ctx: int, turns: int, check: bool, seed: int, resources: dict | None = None) -> dict[str, Any]:
+    config = {
+        "seed": seed,
+        "algorithm": {"name": "grpo", "max_prompt_length": ctx, "max_response_length": 1024},
+        "agent": {"max_turns": turns, "check_step": check},
+        "model": {"name": "qwen25_coder_3b"},
+    }
+    return config | ({"resources": resources} if resources else {})
+
+
+@pytest.fixture
+def sweeps(tmp_path: Path) -> tuple[Path, Path]:
+    """Sweep A: 2 context lengths x 2 turn limits x seeds 0-3, seed 3 failed, unfinished or never started.
+    Sweep B: the check step on, 4096 / 3 turns, seeds 0-2, on 2 GPUs (`resources`)."""
+    a, b = tmp_path / "sweeps" / "A", tmp_path / "sweeps" / "B"
+    a.mkdir(parents=True)
+    task = ["algorithm.max_prompt_length=2048,4096", "agent.max_turns=1,3", "seed=0,1,2,3"]
+    (a / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": task}, "sweeper": {}}}))
+    num = 0
+    for ctx in (2048, 4096):
+        for turns in (1, 3):
+            for seed in range(4):
+                overrides = [f"algorithm.max_prompt_length={ctx}", f"agent.max_turns={turns}", f"seed={seed}"]
+                ok = {"status": "completed", "wall_s": 7200.0, "device": "cuda", "overrides": overrides}
+                value = SEED_RESULTS[(ctx, turns)] / 100
+                if seed < 3:
+                    write_run(a / str(num), overrides, config_of(ctx, turns, False, seed), ok, value + SPREAD[seed])
+                elif (ctx, turns) in ((2048, 1), (4096, 3)):
+                    failed = ok | {"status": "failed", "error": "OutOfMemoryError: CUDA out of memory\nTraceback..."}
+                    write_run(a / str(num), overrides, config_of(ctx, turns, False, seed), failed, value)
+                elif (ctx, turns) == (2048, 3):
+                    write_run(a / str(num), overrides, config_of(ctx, turns, False, seed), None, value)
+                num += 1  # (4096, 1) seed 3: no directory, the job never started
+    for seed in range(3):
+        overrides = ["agent.check_step=true", f"seed={seed}"]
+        ok = {"status": "completed", "wall_s": 7200.0, "device": "cuda", "overrides": overrides}
+        config = config_of(4096, 3, True, seed, resources={"nodes": 1, "gpus_per_node": 2})
+        write_run(b / str(seed), overrides, config, ok, CHECK_STEP_RESULT / 100 + SPREAD[seed])
+    return a, b
+
+
+def cells(line: str) -> set[str]:
+    return {c.strip() for c in line.split("|")}
+
+
+def line_with(text: str, *wanted: str) -> str:
+    """The one table row that has each of `wanted` as a whole cell."""
+    lines = [line for line in text.splitlines() if set(wanted) <= cells(line)]
+    assert len(lines) == 1, f"{wanted}: {lines}"
+    return lines[0]
+
+
+def test_report_shows_known_numbers_with_error_bars_and_noise_flags(sweeps: tuple[Path, Path], tmp_path: Path) -> None:
+    a, b = sweeps
+    out = report.main([str(a), str(b), "--out", str(tmp_path / "report")])
+    md = (out / "report.md").read_text()
+    page = (out / "report.html").read_text()
+    tables = out_tables(md)
+
+    # The cell table: every result exactly, mean ± 95% CI over 3 seeds (t: 4.303 x 0.5 / sqrt(3) = 1.2 points).
+    for (ctx, turns), value in SEED_RESULTS.items():
+        row = line_with(tables["All cells"], f"{ctx}", f"{turns}", "False", f"{value} ± 1.2")
+        assert "2.000" in cells(row)  # GPU-hours per run: 2 h on one GPU
+        assert f"{value} ± 1.2" in page
+    row = line_with(tables["All cells"], "4096", "3", "True", f"{CHECK_STEP_RESULT} ± 1.2")
+    assert "4.000" in cells(row)  # 2 h on 1 node x 2 GPUs
+    assert "3/4" in line_with(tables["All cells"], "2048", "1", "False", "73.2 ± 1.2")  # one seed of four failed
+    assert "3/4" in line_with(tables["All cells"], "4096", "1", "False", "80.2 ± 1.2")  # one never started
+
+    # 1 vs 3 turns at 2048: +3.2 points, beyond noise; at 4096 the articles' 80.2 vs 80.4: +0.2, within noise.
+    turns = tables["agent.max_turns"]
+    assert {"+3.2", "beyond noise"} <= cells(line_with(turns, "2048", "76.4 ± 1.2"))
+    assert {"+0.2", "within noise"} <= cells(line_with(turns, "4096", "80.4 ± 1.2"))
+    assert "baseline" in cells(line_with(turns, "4096", "80.2 ± 1.2"))
+    context = tables["algorithm.max_prompt_length"]
+    assert {"+7.0", "beyond noise"} <= cells(line_with(context, "4096", "80.2 ± 1.2"))
+    assert "+4.0" in cells(line_with(context, "4096", "80.4 ± 1.2"))
+    check = tables["agent.check_step"]
+    assert {"-2.8", "beyond noise"} <= cells(line_with(check, "True", "77.6 ± 1.2"))
+
+    # Failed, unfinished and never-started runs are listed with their error, not averaged in.
+    problems = tables["Failed and unfinished runs"]
+    assert "OutOfMemoryError: CUDA out of memory" in line_with(problems, "A/3", "failed")
+    assert "failed" in line_with(problems, "A/15")
+    assert "unfinished" in line_with(problems, "A/7")
+    assert "algorithm.max_prompt_length=4096 agent.max_turns=1 seed=3" in line_with(problems, "A/11", "not started")
+
+    # One pandas table with every run; figures in both formats.
+    runs = pd.read_csv(out / "runs.csv")
+    assert len(runs) == 19 and set(runs.status) == {"completed", "failed", "unfinished", "not started"}
+    done = runs[(runs.status == "completed") & (runs["algorithm.max_prompt_length"] == 2048)]
+    assert sorted(done.val_final.round(3)) == [0.727, 0.732, 0.737, 0.759, 0.764, 0.769]
+    assert set(done.val_best.round(3)) == set(done.val_final.round(3)) and set(done.tokens) == {4000.0}
+    assert (out / "curves.png").stat().st_size > 0 and (out / "cost.png").stat().st_size > 0
+    assert "![Learning curves](curves.png)" in md and page.count("data:image/png;base64,") == 2
+
+
+def table_rows(section: str) -> list[dict[str, str]]:
+    """A markdown table's rows as {column: cell}."""
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+
+
+def out_tables(md: str) -> dict[str, str]:
+    """The report's sections by heading (factor sections by their key)."""
+    sections: dict[str, str] = {}
+    for chunk in md.split("\n## ")[1:]:
+        heading, _, body = chunk.partition("\n")
+        sections[heading.removeprefix("Factor ").strip("`")] = body
+    return sections
+
+
+def test_a_single_seed_has_no_error_bar_and_no_verdict(tmp_path: Path) -> None:
+    for num, turns in enumerate((1, 3)):
+        overrides = [f"agent.max_turns={turns}"]
+        summary = {"status": "completed", "wall_s": 60.0, "device": "cpu"}
+        write_run(tmp_path / "s" / str(num), overrides, config_of(2048, turns, False, 0), summary, 0.5 + turns / 100)
+    out = report.main([str(tmp_path / "s")])
+    md = (out / "report.md").read_text()
+    assert {"+2.0", "no error bar (n < 2)"} <= cells(line_with(out_tables(md)["agent.max_turns"], "53.0"))
+    assert "51.0" in cells(line_with(out_tables(md)["All cells"], "1", "1/1"))
+
+
+def test_a_sweep_where_every_run_failed_still_gets_a_report(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    for num, (turns, modules) in enumerate([(1, ["q_proj", "v_proj"]), (3, ["q_proj"])]):
+        overrides = [f"agent.max_turns={turns}", f"finetune.target_modules=[{','.join(modules)}]"]
+        config = config_of(2048, turns, False, 0) | {"finetune": {"target_modules": modules}}
+        summary = {"status": "failed", "error": f"ValueError: bad {turns}\nTraceback", "wall_s": 1.0, "device": "cpu"}
+        write_run(tmp_path / "s" / str(num), overrides, config, summary, None)
+    out = report.main([str(tmp_path / "s")])
+    md = (out / "report.md").read_text()
+    assert "factors: agent.max_turns, finetune.target_modules\n" in capsys.readouterr().out
+    assert list(pd.read_csv(out / "runs.csv")["finetune.target_modules"]) == ["['q_proj', 'v_proj']", "['q_proj']"]
+    problems = table_rows(out_tables(md)["Failed and unfinished runs"])
+    assert [(p["run"], p["status"], p["error"]) for p in problems] == [
+        ("s/0", "failed", "ValueError: bad 1"),
+        ("s/1", "failed", "ValueError: bad 3"),
+    ]
+
+
+def test_a_wandb_project_reads_like_run_directories() -> None:
+    """The W&B source maps a project's runs (config and history as logger=wandb logs them) to the same rows."""
+
+    class FakeRun:
+        def __init__(self, turns: int, seed: int, state: str) -> None:
+            self.name, self.state = f"agent.max_turns={turns},seed={seed}", state
+            overrides = [f"agent.max_turns={turns}", f"seed={seed}"]
+            self.config = config_of(2048, turns, False, seed) | {"hydra_overrides": overrides, "hydra_choices": {}}
+            self.summary_metrics = {"status": "completed", "wall_s": 3600.0} if state == "finished" else {}
+            self.rows = [{"_step": 0, "val/accuracy": 0.5}, {"_step": 1, "train/reward_mean": 0.3, "val/accuracy": 0.6}]
+
+        def scan_history(self) -> list[dict[str, Any]]:
+            return self.rows
+
+    class FakeApi:
+        def runs(self, path: str, filters: dict | None) -> list[FakeRun]:
+            assert path == "me/agentic-rl" and filters == {"group": "ablation_turns/2026-11-21_22-16-17"}
+            return [FakeRun(1, 0, "finished"), FakeRun(3, 0, "finished"), FakeRun(3, 1, "running")]
+
+    runs = load_wandb("me/agentic-rl/ablation_turns/2026-11-21_22-16-17", FakeApi())
+    built, factors = report.build(runs)
+    assert factors == ["agent.max_turns"]
+    assert list(built.runs.status) == ["completed", "completed", "unfinished"]
+    assert list(built.runs.val_final) == [0.6, 0.6, 0.6] and list(built.runs.reward_final) == [0.3, 0.3, 0.3]
+    assert list(built.problems.run) == ["agent.max_turns=3,seed=1"]

@@ -1,0 +1,58 @@
+"""logger=wandb: validated with the other groups, offline without a key, and no environment value in what it sends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from experiments.config import ConfigError, build_group
+from experiments.tracking import WandbLogger, env_free_config, swept_keys
+from tests.test_config import compose_with
+
+
+def test_logger_none_builds_nothing_and_wandb_builds_a_logger() -> None:
+    assert build_group(compose_with(), "logger") is None
+    logger = build_group(compose_with("logger=wandb", "logger.project=p", "logger.tags=[a]"), "logger")
+    assert isinstance(logger, WandbLogger) and logger.project == "p" and logger.tags == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("override", "key"), [("logger.mode=sometimes", "logger.mode"), ("logger.tags=3", "logger.tags")]
+)
+def test_a_bad_logger_value_names_its_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        build_group(compose_with("logger=wandb", override), "logger")
+
+
+def test_auto_mode_is_online_only_with_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert WandbLogger().resolved_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    assert WandbLogger().resolved_mode() == "online"
+    assert WandbLogger(mode="offline").resolved_mode() == "offline"
+
+
+def test_the_config_sent_keeps_environment_values_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JUDGE_BASE_URL", "https://user:sentinel-token@judge.example/v1")
+    monkeypatch.setenv("ARL_CACHE_DIR", "/sentinel-cache")
+    cfg = compose_with("reward=llm_judge", "logger=wandb")
+    assert cfg.reward.base_url.startswith("https://user:sentinel-token")  # what the run itself uses
+    sent = env_free_config(cfg)
+    assert "sentinel" not in repr(sent)
+    assert sent["reward"]["base_url"] == "${oc.env:JUDGE_BASE_URL,http://127.0.0.1:8001/v1}"
+    assert sent["model"]["cache_dir"] == "${oc.env:ARL_CACHE_DIR,.cache}/models"  # through ${paths.cache_dir}
+    assert sent["reward"]["api_key_env"] == "JUDGE_API_KEY" and sent["agent"]["max_turns"] == 3
+
+
+def test_swept_keys_come_from_the_command_line_and_the_preset(tmp_path: Path) -> None:
+    multirun = {
+        "hydra": {
+            "sweeper": {"params": {"agent.max_turns": "1,3"}},
+            "overrides": {"task": ["experiment=ablation_turns_tiny", "seed=0,1", "model=tiny"]},
+        }
+    }
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump(multirun))
+    assert swept_keys(tmp_path) == ["agent.max_turns", "seed"]
+    assert swept_keys(tmp_path / "missing") == []
