@@ -41,8 +41,14 @@ SLURM = [
     "hydra.launcher.timeout_min=30",
     "hydra.launcher.array_parallelism=2",
 ]
-# 3 GRPO steps with a checkpoint after each; run 2 fails its config validation (learning rate -1).
-SWEEP = [*FAST_RUN, "warmstart.steps=2", "algorithm.max_steps=3", "algorithm.learning_rate=1e-4,2e-4,-1,3e-4"]
+# 3 GRPO steps, a checkpoint after each, validation before and after; run 2 fails its config validation (lr -1).
+SWEEP = [
+    *FAST_RUN,
+    "warmstart.steps=2",
+    "algorithm.max_steps=3",
+    "algorithm.val_every=3",
+    "algorithm.learning_rate=1e-4,2e-4,-1,3e-4",
+]
 
 
 def run_cluster(command: str) -> subprocess.CompletedProcess[str]:
