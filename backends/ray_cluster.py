@@ -24,6 +24,7 @@ import time
 log = logging.getLogger(__name__)
 
 _workers: subprocess.Popen[bytes] | None = None
+POLL_S = 2.0  # how often to count the nodes that joined
 
 
 def slurm_nodes() -> list[str]:
@@ -91,7 +92,7 @@ def _wait_for_nodes(address: str, expected: int, timeout_s: float) -> None:
                 raise RuntimeError(f"the Ray workers' srun exited ({_workers.returncode}); {alive}/{expected} nodes")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{alive} of {expected} nodes joined the Ray cluster at {address} in {timeout_s} s")
-            time.sleep(2)
+            time.sleep(POLL_S)
         log.info(f"Ray cluster at {address}: {alive} nodes")
     finally:
         ray.shutdown()  # the trainer connects on its own

@@ -91,7 +91,7 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     if not job_ids or shutil.which("squeue") is None:
         return {}
     states: dict[str, str] = {}
-    live = subprocess.run(["squeue", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True, timeout=60)
+    live = subprocess.run(["squeue", "--me", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True, timeout=60)
     for line in live.stdout.splitlines():
         job_id, _, state = line.partition("|")
         states[job_id.strip()] = state.strip()

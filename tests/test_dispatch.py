@@ -119,7 +119,7 @@ def test_resume_skips_a_checkpoint_left_half_written(tmp_path: Path) -> None:
 @pytest.fixture
 def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """`scontrol`, `ray` and `srun` executables that log their arguments, and a `ray` module whose nodes join one
-    per poll, on a 3-node allocation whose first node is this one."""
+    per poll after srun started, on a 3-node allocation whose first node is this one."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     scripts = {
@@ -137,11 +137,12 @@ def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNames
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster.socket, "gethostbyname", lambda host: {"node1": "10.0.0.1"}[host])
-    monkeypatch.setattr(ray_cluster.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray_cluster, "POLL_S", 0.01)
     state = SimpleNamespace(alive=1, join=True, connected=[], calls=calls)
 
-    def nodes() -> list[dict]:
-        state.alive = min(3, state.alive + state.join)
+    def nodes() -> list[dict]:  # a worker joins per poll once the workers' srun has started
+        started = calls.is_file() and "srun" in calls.read_text()
+        state.alive = min(3, state.alive + (state.join and started))
         return [{"Alive": i < state.alive} for i in range(3)]
 
     fake_ray = SimpleNamespace(
