@@ -210,3 +210,24 @@ def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, 
     assert f"{sweep_dir}: 4 runs: 3 completed, 1 failed" in shown.stdout
     assert f"job {after[2]['job_id']} (COMPLETED)" in shown.stdout  # Hydra caught the error: SLURM saw it complete
     assert "algorithm.learning_rate must be > 0" in shown.stdout
+
+
+def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "job._target_=tests.jobs.quick", "+job.sleep_s=20", *SLURM, f"hydra.sweep.dir={sweep_dir}"]
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "launch.py", *args, *extra]
+        env = env_for(tmp_path / "cache", tmp_path)
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert launch("hydra.launcher.wait=false").returncode == 0
+    again = launch()  # while the job sleeps: waits for it
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-3000:]
+    assert "is still queued or running, not submitted" in log
+    assert len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 1
+    assert (sweep_dir / "0" / "executions").read_text() == "1"
+    assert json.loads((sweep_dir / "0" / "summary.json").read_text())["status"] == "completed"
