@@ -1,4 +1,9 @@
-"""What every job shares: its run directory, config validation, and a `summary.json` whatever happens."""
+"""What every job shares: its run directory, config validation, and a `summary.json` whatever happens.
+
+`summary.json` says `completed`, `failed` (an exception, with `error` and `traceback`) or `interrupted` (the process
+was told to stop: preemption, Ctrl-C; a requeued job runs again and resumes). In a sweep, a run that completed
+before in its directory with the same overrides is not run again.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import get_method
 from omegaconf import DictConfig
 
 from experiments.config import build_group
 from experiments.run_dir import RunDir, git_commit
+from experiments.sweep import completed_run
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 
@@ -24,6 +31,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     run = RunDir(hydra.runtime.output_dir)
     job: Job = get_method(cfg.job._target_)
     overrides = list(hydra.overrides.task)
+    if hydra.mode == RunMode.MULTIRUN and (previous := completed_run(run.path, overrides)) is not None:
+        print(f"run directory: {run.path}\nstatus: completed before with the same overrides, not run again", flush=True)
+        return previous
     base = {"job": cfg.job.name, "run_dir": str(run.path), "git_commit": git_commit(), "overrides": overrides}
     start = time.monotonic()
     tracker = None
@@ -35,7 +45,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         results = job(cfg, run)
     except BaseException as exc:
         failed = base | {
-            "status": "failed",
+            "status": "failed" if isinstance(exc, Exception) else "interrupted",
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
             "wall_s": time.monotonic() - start,

@@ -59,7 +59,9 @@ class RunDir:
     def drop_metrics_after(self, step: int) -> None:
         """On resume from a checkpoint at `step`: forget what was logged after it, so no step appears twice."""
         kept = [m for m in self.metrics() if m["step"] <= step]
-        self.metrics_file.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+        tmp = self.metrics_file.with_suffix(".jsonl.tmp")  # a kill while rewriting must not lose the file
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept), encoding="utf-8")
+        tmp.replace(self.metrics_file)
 
     def write_samples(self, name: str, records: list[dict[str, Any]]) -> None:
         self.samples.mkdir(parents=True, exist_ok=True)

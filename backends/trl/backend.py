@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 
 from backends.algorithm import GRPO
@@ -69,7 +68,7 @@ class TRLBackend:
         torch.manual_seed(setup.seed)
         train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
         metric = setup.data.metric()
-        resume_from = get_last_checkpoint(str(run.checkpoints)) if run.checkpoints.is_dir() else None
+        resume_from = last_complete_checkpoint(run.checkpoints)
         sft_dir = run.checkpoints / "sft"
         warm = isinstance(setup.warmstart, SFTWarmstart)
         demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed) if warm else []
@@ -177,6 +176,17 @@ class TRLBackend:
             disable_tqdm=True,
             log_completions=False,
         )
+
+
+def last_complete_checkpoint(folder: Path) -> str | None:
+    """The latest `checkpoint-<step>` that TRL finished writing: `trainer_state.json` is written last, and a job
+    killed while saving (preemption, requeue) leaves a partial one."""
+    steps = {
+        int(p.name.split("-")[1]): p
+        for p in folder.glob("checkpoint-*")
+        if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").is_file()
+    }
+    return str(steps[max(steps)]) if steps else None
 
 
 def _passthrough_reward(name: str) -> Any:

@@ -1,0 +1,117 @@
+"""A sweep directory: Hydra's numbered run directories, and the SLURM jobs submitted for them.
+
+    <sweep_dir>/multirun.yaml        the sweep's config (Hydra)
+    <sweep_dir>/<n>/                 run n's directory (`summary.json`, `metrics.jsonl`, ...)
+    <sweep_dir>/jobs.jsonl           one line per submitted job: run number, overrides, SLURM job id, submitit folder
+    <sweep_dir>/.submitit/<job id>/  submitit's pickles and the job's stdout/stderr
+
+Re-running a sweep into the same directory (`hydra.sweep.dir=...`) runs again only what did not complete: a run whose
+`summary.json` says completed with the same overrides is skipped; a directory that holds a run of other overrides is
+an error, never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+JOBS_FILE = "jobs.jsonl"
+
+# SLURM job states (squeue/sacct) grouped the way `analysis.status` reports them.
+QUEUED_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+RUNNING_STATES = {"RUNNING", "CONFIGURING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING", "SUSPENDED", "STOPPED"}
+
+
+class RunDirConflict(RuntimeError):
+    """A run directory holds a run of other overrides (another sweep wrote into this sweep directory)."""
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
+
+
+def recorded_overrides(run_dir: Path) -> list[str] | None:
+    """The overrides a run directory was started with: its summary's, else Hydra's `.hydra/overrides.yaml`."""
+    summary = read_summary(run_dir)
+    if summary is not None and "overrides" in summary:
+        return list(summary["overrides"])
+    hydra_file = run_dir / ".hydra" / "overrides.yaml"
+    if hydra_file.is_file():
+        return [str(o) for o in OmegaConf.load(hydra_file)]
+    return None
+
+
+def completed_run(run_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
+    """The summary of the run that completed in `run_dir` with these overrides, or None when it has to run (it never
+    started, failed or was interrupted). Raises RunDirConflict if `run_dir` holds a run of other overrides."""
+    recorded = recorded_overrides(run_dir)
+    if recorded is None:
+        return None
+    if sorted(recorded) != sorted(overrides):
+        raise RunDirConflict(
+            f"{run_dir} holds a run of other overrides ({' '.join(recorded)}), not {' '.join(overrides)}: "
+            "give this sweep its own hydra.sweep.dir"
+        )
+    summary = read_summary(run_dir)
+    return summary if summary is not None and summary.get("status") == "completed" else None
+
+
+def record_jobs(sweep_dir: Path, jobs: list[dict[str, Any]]) -> None:
+    """Append submitted jobs (`num`, `overrides`, `job_id`, `folder`) to `jobs.jsonl`."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with (sweep_dir / JOBS_FILE).open("a", encoding="utf-8") as f:
+        for job in jobs:
+            f.write(json.dumps({**job, "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+
+
+def submitted_jobs(sweep_dir: Path) -> dict[int, dict[str, Any]]:
+    """The latest job submitted for each run number."""
+    path = sweep_dir / JOBS_FILE
+    if not path.is_file():
+        return {}
+    jobs = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {job["num"]: job for job in jobs}
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, str]:
+    """SLURM's state of each job id (`123` or array task `123_4`): squeue for live jobs, sacct for finished ones.
+    Empty where SLURM's commands are not installed."""
+    if not job_ids or shutil.which("squeue") is None:
+        return {}
+    states: dict[str, str] = {}
+    live = subprocess.run(["squeue", "--me", "-h", "-r", "-o", "%i|%T"], capture_output=True, text=True, timeout=60)
+    for line in live.stdout.splitlines():
+        job_id, _, state = line.partition("|")
+        states[job_id.strip()] = state.strip()
+    rest = [j for j in job_ids if j not in states]
+    if rest and shutil.which("sacct"):
+        done = subprocess.run(
+            ["sacct", "-n", "-P", "-X", "-o", "JobID,State", "-j", ",".join(rest)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        for line in done.stdout.splitlines():
+            job_id, _, state = line.partition("|")
+            if job_id in rest:
+                states[job_id] = state.split()[0] if state.strip() else "UNKNOWN"  # "CANCELLED by 0"
+    return {j: states[j] for j in job_ids if j in states}
+
+
+def live_jobs(sweep_dir: Path) -> dict[int, dict[str, Any]]:
+    """The recorded jobs of this sweep that SLURM still has queued or running, by run number."""
+    jobs = submitted_jobs(sweep_dir)
+    states = slurm_states([job["job_id"] for job in jobs.values()])
+    return {num: job for num, job in jobs.items() if states.get(job["job_id"]) in QUEUED_STATES | RUNNING_STATES}

@@ -1,0 +1,110 @@
+"""`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, plus what this project's sweeps need.
+
+- Runs that completed in the sweep directory with the same overrides are not submitted again, nor are runs whose job
+  SLURM still has queued or running (`experiments/sweep.py`); the others are submitted as one job array.
+- Each submitted job is appended to `<sweep_dir>/jobs.jsonl`, which `python -m analysis.status <sweep_dir>` reads.
+- `hydra.launcher.wait=false` submits and returns: no process waits for the sweep.
+
+(Hydra loads launchers only from the `hydra_plugins` package, hence this folder.)
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra_plugins.hydra_submitit_launcher import submitit_launcher
+from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+from omegaconf import OmegaConf, open_dict
+
+from experiments.sweep import completed_run, live_jobs, record_jobs
+
+log = logging.getLogger(__name__)
+
+
+class SlurmLauncher(submitit_launcher.SlurmLauncher):
+    def __init__(self, wait: bool = True, **params: Any) -> None:
+        super().__init__(**params)
+        self.wait = wait
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> list[JobReturn]:
+        import submitit  # lazy, as in hydra-submitit-launcher: plugin discovery stays fast
+
+        assert self.config is not None
+        sweeper = self.config.hydra.sweeper._target_
+        if not self.wait and not sweeper.endswith("BasicSweeper"):
+            raise ValueError(f"hydra.launcher.wait=false needs the basic (grid) sweeper; {sweeper} needs results")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        folder = self.params["submitit_folder"]
+        live = live_jobs(sweep_dir)
+        returns: dict[int, JobReturn] = {}
+        waiting: dict[int, Any] = {}
+        todo: list[tuple[int, list[str]]] = []
+        for num, overrides in enumerate(job_overrides, initial_job_idx):
+            overrides = list(overrides)
+            shown = " ".join(filter_overrides(overrides))
+            previous = completed_run(self._run_dir(num, overrides), overrides)
+            if previous is not None:
+                log.info(f"\t#{num} : {shown} : completed before, not submitted")
+                returns[num] = JobReturn(overrides=overrides, status=JobStatus.COMPLETED, _return_value=previous)
+            elif num in live:
+                job = live[num]
+                log.info(f"\t#{num} : {shown} : job {job['job_id']} is still queued or running, not submitted")
+                waiting[num] = submitit.SlurmJob(folder=job["folder"], job_id=job["job_id"], tasks=[0])
+            else:
+                log.info(f"\t#{num} : {shown}")
+                todo.append((num, overrides))
+
+        if todo:
+            executor = self._executor()
+            singleton_state = Singleton.get_state()
+            args = [(ov, "hydra.sweep.dir", num, f"job_id_for_{num}", singleton_state) for num, ov in todo]
+            jobs = executor.map_array(self, *zip(*args, strict=True))
+            record_jobs(
+                sweep_dir,
+                [
+                    {"num": num, "overrides": ov, "job_id": job.job_id, "folder": folder}
+                    for (num, ov), job in zip(todo, jobs, strict=True)
+                ],
+            )
+            waiting |= {num: job for (num, _), job in zip(todo, jobs, strict=True)}
+            log.info(f"Submitted {len(jobs)} job(s) to SLURM: {', '.join(job.job_id for job in jobs)}")
+        if not self.wait:
+            log.info(
+                f"Not waiting (hydra.launcher.wait=false); the sweep's state: python -m analysis.status {sweep_dir}"
+            )
+            return list(returns.values())
+        for num, job in waiting.items():
+            returns[num] = job.results()[0]
+        return [returns[num] for num in sorted(returns)]
+
+    def _run_dir(self, num: int, overrides: list[str]) -> Path:
+        """Where run `num` writes, as Hydra's run_job computes it (sweep dir / subdir)."""
+        assert self.hydra_context is not None and self.config is not None
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        if OmegaConf.to_container(self.config.hydra.sweep)["subdir"] == "${hydra.job.num}":  # Hydra's default
+            return sweep_dir / str(num)
+        cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(cfg.hydra.job):
+            cfg.hydra.job.num = num
+        return sweep_dir / str(OmegaConf.select(cfg, "hydra.sweep.subdir"))
+
+    def _executor(self) -> Any:
+        """The submitit executor for these parameters (what hydra-submitit-launcher's launch builds)."""
+        import submitit
+
+        init_keys = {"submitit_folder", "max_num_timeout"}
+        executor = submitit.AutoExecutor(
+            cluster=self._EXECUTOR,
+            folder=self.params["submitit_folder"],
+            slurm_max_num_timeout=self.params["max_num_timeout"],
+        )
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(
+            **{k if k in shared else f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k not in init_keys}
+        )
+        return executor

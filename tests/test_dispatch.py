@@ -1,0 +1,189 @@
+"""Dispatch without a cluster: launcher presets, local sweeps (a failing run, re-runs), analysis.status, resuming from
+a complete checkpoint, the Ray bootstrap's commands. The SLURM side runs in test_dispatch_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from analysis.status import main as status_main
+from analysis.status import sweep_status
+from backends import ray_cluster
+from backends.trl.backend import last_complete_checkpoint
+from tests.conftest import ROOT, launch
+
+QUICK = ["job._target_=tests.jobs.quick"]
+
+
+def executions(run_dir: Path) -> int:
+    return len((run_dir / "executions").read_text())
+
+
+def test_the_slurm_preset_asks_for_the_resources_the_trainer_uses() -> None:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config",
+            ["hydra/launcher=slurm", "resources.nodes=2", "resources.gpus_per_node=8"],
+            return_hydra_config=True,
+        )
+        default = compose("config", [], return_hydra_config=True)
+    assert (cfg.hydra.launcher.nodes, cfg.hydra.launcher.gpus_per_node) == (2, 8)
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.arl_launchers.slurm_launcher.SlurmLauncher"
+    assert cfg.hydra.launcher.wait is True and cfg.hydra.launcher.max_num_timeout > 0
+    assert default.hydra.launcher._target_.endswith("BasicLauncher")
+
+
+def test_a_failing_run_does_not_stop_a_local_sweep_and_a_rerun_only_reruns_it(cache_dir: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", *QUICK, "+job.fail=false,true", "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    first = launch(args, cache_dir, tmp_path, timeout=300)
+    assert first.returncode == 1  # the sweep reports the failure...
+    assert "asked to fail" in first.stderr
+    summaries = {n: json.loads((sweep / str(n) / "summary.json").read_text()) for n in range(4)}
+    assert [summaries[n]["status"] for n in range(4)] == ["completed", "completed", "failed", "failed"]  # ...after all
+    assert summaries[2]["error"] == "RuntimeError: asked to fail (seed=0)"
+
+    again = launch(args, cache_dir, tmp_path, timeout=300)
+    assert again.returncode == 1
+    assert again.stdout.count("completed before with the same overrides, not run again") == 2
+    assert [executions(sweep / str(n)) for n in range(4)] == [1, 1, 2, 2]
+
+    runs = sweep_status(sweep)
+    assert [(r.num, r.status) for r in runs] == [(0, "completed"), (1, "completed"), (2, "failed"), (3, "failed")]
+    assert runs[2].error == "RuntimeError: asked to fail (seed=0)" and runs[2].job_id is None
+    assert runs[2].error_tail[-1] == "RuntimeError: asked to fail (seed=0)"
+
+
+def test_a_sweep_directory_of_another_sweep_is_not_overwritten(cache_dir: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    assert launch(["-m", *QUICK, "seed=0", f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path).returncode == 0
+    before = (sweep / "0" / "summary.json").read_text()
+    other = launch(["-m", *QUICK, "seed=5", f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path)
+    assert other.returncode == 1
+    assert "holds a run of other overrides" in other.stderr and "hydra.sweep.dir" in other.stderr
+    assert (sweep / "0" / "summary.json").read_text() == before and executions(sweep / "0") == 1
+
+
+def test_local_parallel_runs_every_run_and_reports_the_failure(cache_dir: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", *QUICK, "+job.fail=false,true,false", "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep}"]
+    result = launch(args, cache_dir, tmp_path, timeout=300)
+    assert result.returncode == 1
+    statuses = [json.loads((sweep / str(n) / "summary.json").read_text())["status"] for n in range(3)]
+    assert statuses == ["completed", "failed", "completed"]
+
+
+def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": ["seed=0"]}))
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "summary.json").write_text(
+        json.dumps({"status": "failed", "overrides": ["seed=1"], "error": "ValueError: bad", "traceback": "a\nb\nc\n"})
+    )
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # started, no summary yet, no scheduler to ask
+    assert status_main([str(tmp_path), "--tail", "2"]) == 0
+    text = capsys.readouterr().out
+    assert f"{tmp_path}: 3 runs: 1 completed, 1 failed, 1 incomplete" in text
+    assert "ValueError: bad" in text and "| b" in text and "| c" in text and "| a" not in text
+    assert status_main([str(tmp_path), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["num"], r["status"], r["overrides"]) for r in rows] == [
+        (0, "completed", ["seed=0"]),
+        (1, "failed", ["seed=1"]),
+        (2, "incomplete", []),
+    ]
+    assert status_main([str(tmp_path / "missing")]) == 2
+
+
+def test_resume_skips_a_checkpoint_left_half_written(tmp_path: Path) -> None:
+    assert last_complete_checkpoint(tmp_path) is None
+    for step in (1, 2, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    for step in (1, 2):
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoint-10" / "model.safetensors").write_text("")  # killed while saving step 10
+    (tmp_path / "checkpoint-final").mkdir()
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+
+
+# --- the Ray bootstrap, with stand-ins for `ray`, `srun` and `scontrol` (ray is not installed here) ---
+
+
+@pytest.fixture
+def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """`scontrol`, `ray` and `srun` executables that log their arguments, and a `ray` module whose nodes join one
+    per poll after srun started, on a 3-node allocation whose first node is this one."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": "echo node1; echo node2; echo node3",
+        "ray": f'echo "ray $*" >> {calls}',
+        "srun": f'echo "srun $*" >> {calls}; exec sleep 300',
+    }
+    for name, body in scripts.items():
+        path = bin_dir / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-3]")
+    monkeypatch.setenv("SLURMD_NODENAME", "node1")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray_cluster.socket, "gethostbyname", lambda host: {"node1": "10.0.0.1"}[host])
+    monkeypatch.setattr(ray_cluster, "POLL_S", 0.01)
+    state = SimpleNamespace(alive=1, join=True, connected=[], calls=calls)
+
+    def nodes() -> list[dict]:  # a worker joins per poll once the workers' srun has started
+        started = calls.is_file() and "srun" in calls.read_text()
+        state.alive = min(3, state.alive + (state.join and started))
+        return [{"Alive": i < state.alive} for i in range(3)]
+
+    fake_ray = SimpleNamespace(
+        init=lambda address, **kw: state.connected.append(address), nodes=nodes, shutdown=lambda: None
+    )
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    yield state
+    ray_cluster.stop_ray_cluster()
+
+
+def test_ray_cluster_starts_the_head_here_and_workers_on_the_other_nodes(fake_cluster: SimpleNamespace) -> None:
+    address = ray_cluster.start_ray_cluster(port=6380)
+    assert address == "10.0.0.1:6380" and os.environ["RAY_ADDRESS"] == address
+    assert fake_cluster.connected == [address]
+    workers = ray_cluster._workers
+    assert workers is not None and workers.poll() is None  # the workers' srun keeps running with the job
+    ray_cluster.stop_ray_cluster()
+    assert workers.poll() is not None
+    calls = fake_cluster.calls.read_text().splitlines()
+    assert calls[0] == "ray start --head --node-ip-address=10.0.0.1 --port=6380 --num-cpus=16"
+    assert calls[1] == (
+        "srun --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node2,node3 "
+        "ray start --address=10.0.0.1:6380 --block --num-cpus=16"
+    )
+    assert calls[2] == "ray stop --force"
+
+
+def test_ray_cluster_says_which_nodes_never_joined(fake_cluster: SimpleNamespace) -> None:
+    fake_cluster.join = False
+    with pytest.raises(TimeoutError, match=r"1 of 3 nodes joined the Ray cluster at 10\.0\.0\.1:6379"):
+        ray_cluster.start_ray_cluster(timeout_s=0)
+
+
+def test_ray_cluster_runs_on_the_first_node_only(
+    fake_cluster: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    with pytest.raises(RuntimeError, match=r"first node \(node1\), not on node2"):
+        ray_cluster.start_ray_cluster()
+
+
+def test_one_node_needs_no_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+    assert ray_cluster.start_ray_cluster() == "local"

@@ -1,0 +1,233 @@
+"""Dispatch on a real SLURM cluster that this module starts and stops (tests/slurm/local_cluster.sh: Debian's
+slurmctld, slurmd, slurmdbd, munge, MariaDB; needs root, installs them with apt if missing).
+
+One 4-run sweep of the tiny CPU experiment, 2 jobs at a time: one run fails, one is requeued from outside
+(`scontrol requeue`) and one is preempted (USR2, what SLURM sends before a time limit or a preemption) in the middle;
+both resume from their checkpoints in the same run directory. Then the same sweep is submitted again without waiting:
+only the failed run is resubmitted, and `analysis.status` follows it. Where SLURM cannot start, the tests fail with
+the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from submitit.core.utils import JobPaths
+
+from analysis.status import sweep_status
+from experiments.sweep import submitted_jobs
+from tests.conftest import FAST_RUN, ROOT
+
+CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
+CHECKPOINT_1 = Path("checkpoints", "checkpoint-1", "trainer_state.json")  # written last: the checkpoint is complete
+LOCK = Path("/tmp/arl-slurm.lock")  # one test session at a time owns the machine's cluster
+
+# Each job: 1 CPU (2 jobs at once on 2 cores), no GPU; a time limit over 10 min, so that USR2 reads as a preemption.
+SLURM = [
+    "hydra/launcher=slurm",
+    "resources.gpus_per_node=0",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=4",
+    "hydra.launcher.timeout_min=30",
+    "hydra.launcher.array_parallelism=2",
+]
+# 3 GRPO steps, a checkpoint after each, validation before and after; run 2 fails its config validation (lr -1).
+SWEEP = [
+    *FAST_RUN,
+    "warmstart.steps=2",
+    "algorithm.max_steps=3",
+    "algorithm.val_every=3",
+    "algorithm.learning_rate=1e-4,2e-4,-1,3e-4",
+]
+
+
+def run_cluster(command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(CLUSTER), command], capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster() -> Iterator[None]:
+    if os.geteuid() != 0:
+        pytest.fail("starting SLURM's daemons needs root")
+    with LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            started = run_cluster("start")
+        except subprocess.TimeoutExpired as exc:
+            run_cluster("stop")
+            pytest.fail(f"SLURM did not start in {exc.timeout} s")
+        try:
+            if started.returncode != 0:
+                pytest.fail(f"SLURM could not start:\n{started.stderr[-3000:]}")
+            yield
+        finally:
+            run_cluster("stop")
+
+
+def env_for(cache: Path, output: Path) -> dict[str, str]:
+    return os.environ | {"ARL_CACHE_DIR": str(cache), "ARL_OUTPUT_DIR": str(output), "HF_HUB_OFFLINE": "1"}
+
+
+def wait_for(
+    what: str, check: Callable[[], Any], sweep: subprocess.Popen[bytes] | None = None, timeout: float = 400
+) -> Any:
+    """Poll `check` until it returns something true; fail (not hang) after `timeout` s or if the sweep ends first."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if sweep is not None and sweep.poll() is not None:
+            pytest.fail(f"the sweep ended (exit {sweep.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what} after {timeout} s")
+        time.sleep(0.5)
+    return value
+
+
+def statuses(sweep_dir: Path) -> dict[int, str]:
+    return {r.num: r.status for r in sweep_status(sweep_dir)}
+
+
+def requeue(job_id: str) -> None:
+    """What an operator does: the job is killed and queued again (its process is not told; SIGTERM is ignored)."""
+    subprocess.run(["scontrol", "requeue", job_id], check=True, capture_output=True, timeout=60)
+
+
+def preempt(job_id: str) -> None:
+    """USR2, what SLURM sends a job before its time limit or a preemption (`--signal`). slurm 22.05's scancel delivers
+    it to a running task of an array whose other tasks are pending, then answers "Job can not be altered now" and
+    retries every ~5 s, delivering it again each time: it is stopped before its first retry."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run(["scancel", "--signal=USR2", job_id], capture_output=True, timeout=3)
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def slurm_sweep(
+    slurm_cluster: None, spider_mini_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """Runs the sweep (waiting for it, as hydra-submitit-launcher does); requeues run 0 and preempts run 1 after
+    their first checkpoint; returns what was seen on the way."""
+    out = tmp_path_factory.mktemp("slurm")
+    sweep_dir = out / "sweep"
+    args = ["-m", *SWEEP, *SLURM, f"hydra.sweep.dir={sweep_dir}"]
+    seen: dict[str, Any] = {"sweep_dir": sweep_dir, "args": args, "env": env_for(cache_dir, out)}
+    log = out / "sweep.log"
+    with log.open("w") as log_file:
+        sweep = subprocess.Popen(
+            [sys.executable, "launch.py", *args], cwd=ROOT, env=seen["env"], stdout=log_file, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for("the jobs to be submitted", lambda: len(submitted_jobs(sweep_dir)) == 4, sweep)
+        jobs = submitted_jobs(sweep_dir)
+        seen["first_status"] = statuses(sweep_dir)
+
+        interrupted: set[int] = set()
+
+        def interrupt() -> bool:
+            for num, how in ((0, requeue), (1, preempt)):
+                if num not in interrupted and (sweep_dir / str(num) / CHECKPOINT_1).is_file():
+                    how(jobs[num]["job_id"])
+                    interrupted.add(num)
+            return interrupted == {0, 1}
+
+        wait_for("the first checkpoints of runs 0 and 1", interrupt, sweep)
+        wait_for("run 0 to be queued again", lambda: statuses(sweep_dir)[0] == "queued", sweep)
+        wait_for("run 1's interrupted summary", lambda: summary(sweep_dir / "1").get("status") == "interrupted", sweep)
+        seen["returncode"] = sweep.wait(timeout=600)
+        seen["output"] = log.read_text()
+        yield seen
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        for job in submitted_jobs(sweep_dir).values():  # only this sweep's jobs, if any are left
+            subprocess.run(["scancel", job["job_id"]], capture_output=True)
+
+
+def test_a_slurm_sweep_survives_a_failure_a_requeue_and_a_preemption(slurm_sweep: dict[str, Any]) -> None:
+    sweep_dir, output = slurm_sweep["sweep_dir"], slurm_sweep["output"]
+    first = slurm_sweep["first_status"]
+    assert (first[2], first[3]) == ("queued", "queued")  # array parallelism 2: runs 2 and 3 wait
+
+    # The failing run fails alone: the sweep exits 1 once every job is done, the other runs complete.
+    assert slurm_sweep["returncode"] == 1, output[-3000:]
+    failed = summary(sweep_dir / "2")
+    assert failed["status"] == "failed" and "algorithm.learning_rate must be > 0" in failed["error"]
+    for num in (0, 1, 3):
+        done = summary(sweep_dir / str(num))
+        assert done["status"] == "completed" and done["steps"] == 3, done
+        assert steps(sweep_dir / str(num)) == [0, 1, 2, 3]  # no step twice, none missing
+    # Both interrupted runs went on in their own run directory from a checkpoint, not from the start.
+    for num in (0, 1):
+        assert summary(sweep_dir / str(num))["resumed_from"].startswith("checkpoint-")
+    assert "resumed_from" not in summary(sweep_dir / "3")
+    jobs = submitted_jobs(sweep_dir)
+    assert len(jobs) == 4 and len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 4  # resumed, not resubmitted
+    preempted_log = JobPaths(jobs[1]["folder"], job_id=jobs[1]["job_id"], task_id=0).stderr
+    assert "Caught signal SIGUSR2" in preempted_log.read_text()
+    assert statuses(sweep_dir) == {0: "completed", 1: "completed", 2: "failed", 3: "completed"}
+
+
+def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, Any]) -> None:
+    sweep_dir = slurm_sweep["sweep_dir"]
+    before = submitted_jobs(sweep_dir)
+    again = subprocess.run(
+        [sys.executable, "launch.py", *slurm_sweep["args"], "hydra.launcher.wait=false"],
+        cwd=ROOT,
+        env=slurm_sweep["env"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-3000:]
+    assert log.count("completed before, not submitted") == 3 and "python -m analysis.status" in log
+    after = submitted_jobs(sweep_dir)
+    assert [n for n in after if after[n] != before[n]] == [2]
+    assert statuses(sweep_dir)[2] in {"queued", "running"}  # the launcher returned while the job is still there
+
+    wait_for("the resubmitted run to fail again", lambda: statuses(sweep_dir)[2] == "failed")
+    shown = subprocess.run(
+        [sys.executable, "-m", "analysis.status", str(sweep_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0
+    assert f"{sweep_dir}: 4 runs: 3 completed, 1 failed" in shown.stdout
+    assert f"job {after[2]['job_id']} (COMPLETED)" in shown.stdout  # Hydra caught the error: SLURM saw it complete
+    assert "algorithm.learning_rate must be > 0" in shown.stdout
+
+
+def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "job._target_=tests.jobs.quick", "+job.sleep_s=20", *SLURM, f"hydra.sweep.dir={sweep_dir}"]
+
+    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "launch.py", *args, *extra]
+        env = env_for(tmp_path / "cache", tmp_path)
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert launch("hydra.launcher.wait=false").returncode == 0
+    again = launch()  # while the job sleeps: waits for it
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-3000:]
+    assert "is still queued or running, not submitted" in log
+    assert len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 1
+    assert (sweep_dir / "0" / "executions").read_text() == "1"
+    assert json.loads((sweep_dir / "0" / "summary.json").read_text())["status"] == "completed"
