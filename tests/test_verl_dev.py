@@ -1,0 +1,107 @@
+"""backend=dev: agent-lightning's Trainer.dev against a scripted vLLM-style server on loopback (runs in .venv-verl).
+
+The server answers like vLLM with `return_token_ids` (what agent-lightning's proxy asks for): `prompt_token_ids` at
+the top and `token_ids` in the choice, and a unique response id per call (the adapter de-duplicates by id).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+
+from data import spider_mini
+from tests.conftest import launch, serve
+from tests.verl_helpers import AGENTS
+
+pytestmark = pytest.mark.verl
+
+N_TASKS = 4
+DATA = {"n_train": 24, "n_dev": 4}
+
+
+def vllm_like_server(gold: dict[str, str], requests: list[dict[str, Any]]) -> FastAPI:
+    """Answers a question it knows with its gold SQL (and a passing check verdict), anything else with SELECT 1."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    def complete(body: dict[str, Any]) -> dict[str, Any]:
+        requests.append(body)
+        text = "\n".join(str(m.get("content") or "") for m in body["messages"])
+        asked = re.findall(r"Question: (.*)", text)
+        sql = gold.get(asked[-1].strip(), "SELECT 1") if asked else "SELECT 1"
+        content = f"```sql\n{sql}\n```\nTHE QUERY IS CORRECT"
+        message = {"role": "assistant", "content": content}
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "stop"}
+        response: dict[str, Any] = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(text), "completion_tokens": len(content), "total_tokens": 0},
+        }
+        if body.get("return_token_ids"):  # vLLM >= 0.10.2
+            response["prompt_token_ids"] = [b % 256 for b in text.encode()][:512]
+            choice["token_ids"] = list(content.encode())
+        return response
+
+    return app
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    spider_mini.generate(tmp_path / "cache" / "spider_mini", seed=0, **DATA)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def server(cache: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    train = json.loads((cache / "spider_mini" / "train_spider.json").read_text())
+    requests: list[dict[str, Any]] = []
+    with serve(vllm_like_server({t["question"]: t["query"] for t in train}, requests)) as url:
+        yield url, requests
+
+
+@pytest.mark.parametrize("agent", AGENTS)
+def test_dev_rollouts_become_triplets_with_token_ids_and_rewards(
+    agent: str, server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path
+) -> None:
+    url, requests = server
+    run_dir = tmp_path / "run"
+    args = [
+        "backend=dev",
+        f"agent={agent}",
+        "model=qwen25_coder_1_5b",
+        f"backend.n_tasks={N_TASKS}",
+        *[f"data.generate.{k}={v}" for k, v in DATA.items()],
+        f"endpoint.base_url={url}",
+        "endpoint.model=scripted",
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = launch(args, cache, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "dev" / "rollouts.jsonl").read_text().splitlines()]
+    assert summary["dev"]["rollouts"] == summary["dev"]["succeeded"] == len(records) == N_TASKS
+    assert any(r.get("return_token_ids") for r in requests)  # the proxy asked the server for token ids
+    for record in records:
+        assert record["status"] == "succeeded" and record["spans"] > 0
+        assert record["triplets"], record
+        assert all(t["prompt_tokens"] > 0 and t["response_tokens"] > 0 for t in record["triplets"])
+        assert record["reward"] is not None
+        if agent == "spider_sql":  # the server knows the gold SQL of every training question
+            assert record["reward"] == 1.0
+    ids = [t["response_id"] for r in records for t in r["triplets"]]
+    assert len(ids) == len(set(ids))
