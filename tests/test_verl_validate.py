@@ -100,3 +100,9 @@ def test_launch_validate_fails_naming_the_key(tmp_path: Path) -> None:
     result = launch(args, tmp_path / "cache", tmp_path)
     assert result.returncode != 0
     assert "finetune.rank=12: vLLM serves LoRA ranks" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize(("preset", "steps"), [("ci-fast", 1), ("ci", 20)])
+def test_the_ci_presets_validate(preset: str, steps: int, tmp_path: Path) -> None:
+    generated = verl_config(compose_config([f"experiment={preset}"], tmp_path), tmp_path)
+    assert generated.trainer.total_training_steps == steps and generated.trainer.total_epochs == 1

@@ -38,7 +38,7 @@ LOSS_AGG_MODES = {
 
 
 @contextmanager
-def _own_hydra() -> Iterator[None]:
+def own_hydra() -> Iterator[None]:
     """Compose in a fresh Hydra instance (launch.py's is already initialized) and give the caller's back after."""
     from hydra.core.global_hydra import GlobalHydra
 
@@ -61,7 +61,7 @@ def _default_config() -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     config_dir = Path(next(iter(spec.submodule_search_locations or []))) / "verl"
-    with _own_hydra(), initialize_config_dir(config_dir=str(config_dir), version_base=None):
+    with own_hydra(), initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose(config_name="config")
 
 

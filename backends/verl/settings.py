@@ -64,6 +64,7 @@ class VerlBackend(AglWiring):
     logger: list[str] = field(default_factory=lambda: ["console"])
     project_name: str = "agentic-rl"
     overrides: dict[str, Any] = field(default_factory=dict)  # verl keys our groups do not set
+    fit: bool = True  # false: build the verl config, agl.VERL and the Trainer, then stop before fit (works on CPU)
 
     def __post_init__(self) -> None:
         super().__post_init__()
