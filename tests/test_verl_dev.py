@@ -7,18 +7,22 @@ the top and `token_ids` in the choice, and a unique response id per call (the ad
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi import FastAPI
 
 from data import spider_mini
-from tests.conftest import launch, serve
+from tests.conftest import free_port, launch, serve
 from tests.verl_helpers import AGENTS
 
 pytestmark = pytest.mark.verl
@@ -74,13 +78,52 @@ def server(cache: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         yield url, requests
 
 
+@pytest.fixture
+def external_store() -> Iterator[str]:
+    """agent-lightning's store as its own process (`agl store`), as on a cluster."""
+    port = free_port()
+    env = os.environ | {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    agl = Path(sys.executable).parent / "agl"
+    process = subprocess.Popen([agl, "store", "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/v1/agl/health", timeout=1.0).is_success:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 @pytest.mark.parametrize("agent", AGENTS)
 def test_dev_rollouts_become_triplets_with_token_ids_and_rewards(
     agent: str, server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path
 ) -> None:
+    records = run_dev(agent, server, cache, tmp_path)
+    if agent == "spider_sql":  # the server knows the gold SQL of every training question
+        assert all(r["reward"] == 1.0 for r in records)
+
+
+def test_dev_with_an_external_store(
+    server: tuple[str, list[dict[str, Any]]], external_store: str, cache: Path, tmp_path: Path
+) -> None:
+    records = run_dev("spider_sql", server, cache, tmp_path, [f"backend.store_address={external_store}"])
+    stored = httpx.get(f"{external_store}/v1/agl/rollouts", timeout=10.0).json()["items"]  # outlived the run
+    assert sorted(r["rollout_id"] for r in stored) == sorted(r["rollout_id"] for r in records)
+
+
+def run_dev(
+    agent: str, server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path, extra: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
+    """Run backend=dev as a user would; check every rollout completed and became triplets; return the records."""
     url, requests = server
     run_dir = tmp_path / "run"
     args = [
+        *extra,
         "backend=dev",
         f"agent={agent}",
         "model=qwen25_coder_1_5b",
@@ -101,7 +144,6 @@ def test_dev_rollouts_become_triplets_with_token_ids_and_rewards(
         assert record["triplets"], record
         assert all(t["prompt_tokens"] > 0 and t["response_tokens"] > 0 for t in record["triplets"])
         assert record["reward"] is not None
-        if agent == "spider_sql":  # the server knows the gold SQL of every training question
-            assert record["reward"] == 1.0
     ids = [t["response_id"] for r in records for t in r["triplets"]]
     assert len(ids) == len(set(ids))
+    return records
