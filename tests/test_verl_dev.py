@@ -108,6 +108,12 @@ def test_dev_rollouts_become_triplets_with_token_ids_and_rewards(
         assert all(r["reward"] == 1.0 for r in records)
 
 
+def test_dev_with_agentops_tracing(server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path) -> None:
+    """The agent process traced by AgentOps (no agent_match: spider_sql's LangGraph nodes emit no agent spans)."""
+    records = run_dev("spider_sql", server, cache, tmp_path, ["backend.tracing=agentops"])
+    assert all(r["span_names"].get("openai.chat.completion") for r in records)
+
+
 def test_dev_with_an_external_store(
     server: tuple[str, list[dict[str, Any]]], external_store: str, cache: Path, tmp_path: Path
 ) -> None:
