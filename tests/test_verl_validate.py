@@ -41,6 +41,13 @@ def test_every_model_finetune_agent_combination_validates(
     assert generated.trainer.nnodes == cfg.resources.nodes
 
 
+def test_trajectory_aggregation_gets_our_lengths(tmp_path: Path) -> None:
+    cfg = compose_config(["backend=verl", "model=qwen7b", "backend.trace_aggregation=trajectory"], tmp_path)
+    aggregator = verl_config(cfg, tmp_path).agentlightning.trace_aggregator
+    assert aggregator.level == "trajectory"
+    assert aggregator.trajectory_max_response_length == cfg.algorithm.max_response_length
+
+
 def test_resources_reach_verl(tmp_path: Path) -> None:
     overrides = ["backend=verl", "model=qwen7b", "resources.nodes=2", "resources.gpus_per_node=4"]
     generated = verl_config(compose_config([*overrides, "backend.tensor_parallel_size=2"], tmp_path), tmp_path)
@@ -57,6 +64,7 @@ BAD_CONFIGS = [
     (["algorithm.max_response_length=40000"], "algorithm.max_response_length"),
     (["backend.gpu_memory_utilization=1.5"], "backend.gpu_memory_utilization"),
     (["backend.tracing=otel"], "backend.tracing"),
+    (["backend.trace_aggregation=episode"], "backend.trace_aggregation"),
     (["backend.store_address=localhost"], "backend.store_address"),
     (["backend.agent_match.spider_sql=write"], "backend.agent_match.spider_sql"),
     (["+backend.bogus=1"], "backend.bogus"),

@@ -26,20 +26,22 @@ class AgentRollouts(agl.LitAgent[dict[str, Any]]):
     proxy, which records the calls (token ids included) as spans of this rollout.
     """
 
-    def __init__(self, agent: Agent, reward: Reward) -> None:
+    def __init__(self, agent: Agent, reward: Reward, sampling: dict[str, Any]) -> None:
         super().__init__()
         self.agent = agent
         self.reward = reward
+        self.sampling = sampling  # ours (max_tokens per call), on top of what the resource sets (temperature)
 
     async def rollout_async(self, task: dict[str, Any], resources: agl.NamedResources, rollout: agl.Rollout) -> Any:
         llm = resources[LLM_RESOURCE]
-        assert isinstance(llm, agl.LLM), f"resource {LLM_RESOURCE} is a {type(llm).__name__}, not an LLM"
+        if not isinstance(llm, agl.LLM):
+            raise TypeError(f"resource {LLM_RESOURCE} is a {type(llm).__name__}, not an LLM")
         attempt_id = rollout.attempt.attempt_id if isinstance(rollout, agl.AttemptedRollout) else None
         chat = OpenAIChat.connect(
             llm.get_base_url(rollout.rollout_id, attempt_id),
             llm.model,
             api_key=llm.api_key or "EMPTY",
-            sampling=llm.sampling_parameters,
+            sampling=llm.sampling_parameters | self.sampling,
         )
         trajectory = await self.agent.run(task, chat)
         # None (a judge that could not be reached) stays missing: no reward span, never a silent 0.

@@ -139,6 +139,13 @@ def verl_overrides(
                 "fsdp_config": {"param_offload": backend.param_offload},
             },
         },
+        "agentlightning": {
+            "trace_aggregator": {
+                "level": backend.trace_aggregation,
+                "trajectory_max_prompt_length": algo.max_prompt_length,
+                "trajectory_max_response_length": algo.max_response_length,
+            }
+        },
         "trainer": {
             "n_gpus_per_node": backend.gpus_per_node,
             "nnodes": backend.nodes,

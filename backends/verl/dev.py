@@ -43,7 +43,7 @@ def run_dev(backend: DevBackend, setup: TrainSetup) -> dict[str, Any]:
         algorithm=agl.Baseline(n_epochs=1, polling_interval=backend.poll_interval_s, span_verbosity="none"),
     )
     start = time.monotonic()
-    trainer.dev(wiring.AgentRollouts(setup.agent, setup.reward), train_dataset=tasks)
+    trainer.dev(wiring.AgentRollouts(setup.agent, setup.reward, {}), train_dataset=tasks)
     wall_s = time.monotonic() - start
     records = asyncio.run(_records(trainer.store, trainer.adapter))
     out = setup.run.path / "dev"

@@ -6,8 +6,11 @@ Importable without agent-lightning or verl (config validation and `job=doctor` r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from backends.setup import TrainSetup
 
 TRACING_MODES = ("llm_proxy", "agentops")
 NEEDS_VENV = "agent-lightning and verl are not installed here: make setup-verl, then run with .venv-verl/bin/python"
@@ -62,6 +65,7 @@ class VerlBackend(AglWiring):
     gradient_checkpointing: bool = True
     param_offload: bool = False
     logger: list[str] = field(default_factory=lambda: ["console"])
+    trace_aggregation: str = "transition"  # transition: each LLM call a sample; trajectory: a rollout's calls merged
     project_name: str = "agentic-rl"
     overrides: dict[str, Any] = field(default_factory=dict)  # verl keys our groups do not set
     fit: bool = True  # false: build the verl config, agl.VERL and the Trainer, then stop before fit (works on CPU)
@@ -71,10 +75,14 @@ class VerlBackend(AglWiring):
         for key in ("max_turns", "nodes", "gpus_per_node", "tensor_parallel_size"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"backend.{key} must be > 0, got {getattr(self, key)}")
+        if self.trace_aggregation not in ("transition", "trajectory"):
+            raise ValueError(
+                f"backend.trace_aggregation must be transition or trajectory, got {self.trace_aggregation!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
-    def train(self, setup: Any) -> dict[str, Any]:
+    def train(self, setup: TrainSetup) -> dict[str, Any]:
         from backends.verl.train import train_verl
 
         return train_verl(self, setup)
@@ -97,7 +105,7 @@ class DevBackend(AglWiring):
         if self.n_tasks <= 0:
             raise ValueError(f"backend.n_tasks must be > 0, got {self.n_tasks}")
 
-    def train(self, setup: Any) -> dict[str, Any]:
+    def train(self, setup: TrainSetup) -> dict[str, Any]:
         from backends.verl.dev import run_dev
 
         return run_dev(self, setup)

@@ -58,5 +58,8 @@ def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
     if not backend.fit:
         return results | {"fit": "skipped (backend.fit=false)"}
     start = time.monotonic()
-    trainer.fit(wiring.AgentRollouts(setup.agent, setup.reward), train_dataset=train_tasks, val_dataset=val_tasks)
+    # verl's daemon sets the temperature (train or validation); each call's reply is one triplet's response.
+    per_call = {"max_tokens": setup.algorithm.max_tokens_per_turn or setup.algorithm.max_response_length}
+    rollouts = wiring.AgentRollouts(setup.agent, setup.reward, per_call)
+    trainer.fit(rollouts, train_dataset=train_tasks, val_dataset=val_tasks)
     return results | {"fit": "done", "wall_s": time.monotonic() - start}
