@@ -32,7 +32,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The main suite in .venv, then the tests marked `verl` (validate, dev, doctor with verl) in .venv-verl.
+# The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl.
 test: lint setup-verl
 	$(BIN)/python -m pytest -m "not verl"
-	$(VERL_BIN)/python -m pytest -m verl
+	$(VERL_BIN)/python -m pytest -m verl tests/test_verl_*.py
