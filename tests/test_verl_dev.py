@@ -104,14 +104,19 @@ def test_dev_rollouts_become_triplets_with_token_ids_and_rewards(
     agent: str, server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path
 ) -> None:
     records = run_dev(agent, server, cache, tmp_path)
-    if agent == "spider_sql":  # the server knows the gold SQL of every training question
+    if agent == "spider_sql":
+        # The server knows every training question's gold SQL, so the check passes: write, check, no rewrite.
+        # agent_match "write" trains the write call only (the check call is traced but not a triplet).
         assert all(r["reward"] == 1.0 for r in records)
+        assert all(r["span_names"]["write_query"] == r["span_names"]["check_query"] == 1 for r in records)
+        assert all(len(r["triplets"]) == 1 for r in records)
 
 
-def test_dev_with_agentops_tracing(server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path) -> None:
-    """The agent process traced by AgentOps (no agent_match: spider_sql's LangGraph nodes emit no agent spans)."""
-    records = run_dev("spider_sql", server, cache, tmp_path, ["backend.tracing=agentops"])
-    assert all(r["span_names"].get("openai.chat.completion") for r in records)
+def test_dev_with_llm_proxy_tracing(server: tuple[str, list[dict[str, Any]]], cache: Path, tmp_path: Path) -> None:
+    """The proxy's spans alone: every call (write and check) becomes a triplet, the reward on the last."""
+    tracing = ["backend.tracing=llm_proxy", "backend.agent_match.spider_sql=null"]
+    records = run_dev("spider_sql", server, cache, tmp_path, tracing)
+    assert all([t["reward"] for t in r["triplets"]] == [None, 1.0] for r in records)
 
 
 def test_dev_with_an_external_store(

@@ -23,18 +23,18 @@ def test_verl_builds_everything_up_to_fit(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["fit"].startswith("skipped")
-    assert summary["adapter"] == "LlmProxyTraceToTriplet" and summary["n_runners"] == 8
+    assert summary["adapter"] == "TracerTraceToTriplet" and summary["n_runners"] == 8
     assert (summary["train_tasks"], summary["val_tasks"]) == (24, 4)
     config = OmegaConf.load(run_dir / "verl_config.yaml")
     assert config.actor_rollout_ref.rollout.n == 8 and config.actor_rollout_ref.model.lora_rank == 32
 
 
-def test_agentops_tracing_uses_the_agents_match(tmp_path: Path) -> None:
+def test_llm_proxy_tracing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    tracing = ["backend.tracing=agentops", "backend.agent_match.spider_sql=write"]
+    tracing = ["backend.tracing=llm_proxy", "backend.agent_match.spider_sql=null"]
     result = launch([*ARGS, *DATA, *tracing, f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["adapter"] == "TracerTraceToTriplet"
+    assert json.loads((run_dir / "summary.json").read_text())["adapter"] == "LlmProxyTraceToTriplet"
 
 
 def test_several_nodes_need_a_ray_cluster(tmp_path: Path) -> None:

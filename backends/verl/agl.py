@@ -49,14 +49,15 @@ class AgentRollouts(agl.LitAgent[dict[str, Any]]):
 
 
 def tracer(wiring: AglWiring) -> agl.Tracer:
-    """llm_proxy: OpenTelemetry in the runners (the proxy records the LLM calls); agentops: AgentOps spans."""
-    return agl.OtelTracer() if wiring.tracing == "llm_proxy" else agl.AgentOpsTracer()
+    """agentops: AgentOps spans of the agent's steps and calls; llm_proxy: OpenTelemetry in the runners (the proxy
+    records the LLM calls)."""
+    return agl.AgentOpsTracer() if wiring.tracing == "agentops" else agl.OtelTracer()
 
 
 def adapter(wiring: AglWiring) -> agl.TraceAdapter[Any]:
-    if wiring.tracing == "llm_proxy":
-        return agl.LlmProxyTraceToTriplet()
-    return agl.TracerTraceToTriplet(agent_match=wiring.trained_calls)
+    if wiring.tracing == "agentops":
+        return agl.TracerTraceToTriplet(agent_match=wiring.trained_calls)
+    return agl.LlmProxyTraceToTriplet()
 
 
 def store_and_port(wiring: AglWiring) -> tuple[agl.LightningStore | None, int]:

@@ -20,14 +20,14 @@ NEEDS_VENV = "agent-lightning and verl are not installed here: make setup-verl, 
 class AglWiring:
     """How agent-lightning runs the agent and turns its LLM calls into training triplets.
 
-    tracing=llm_proxy: every call through agent-lightning's LLM proxy becomes a triplet (LlmProxyTraceToTriplet;
-    token ids come from vLLM through the proxy). tracing=agentops: the agent process is traced (AgentOps) and
-    TracerTraceToTriplet keeps the calls under the agent spans matching `agent_match[<agent option>]`.
+    tracing=agentops: the agent process is traced (AgentOps) and TracerTraceToTriplet keeps the calls made inside
+    the agent steps matching `agent_match[<agent option>]` (an agent not listed: every call). tracing=llm_proxy:
+    every call through agent-lightning's LLM proxy becomes a triplet (LlmProxyTraceToTriplet).
     """
 
     agent: str = "spider_sql"  # the agent option (conf/agent/<name>.yaml); set from Hydra's choice
     n_runners: int = 4
-    tracing: str = "llm_proxy"
+    tracing: str = "agentops"
     agent_match: dict[str, str | None] = field(default_factory=dict)
     store_address: str | None = None  # an external `agl store` (http://host:port); null: one in this process
 
@@ -38,8 +38,8 @@ class AglWiring:
             raise ValueError(f"backend.tracing must be one of {', '.join(TRACING_MODES)}, got {self.tracing!r}")
         if self.tracing == "llm_proxy" and self.trained_calls is not None:
             raise ValueError(
-                f"backend.agent_match.{self.agent}={self.trained_calls!r} needs backend.tracing=agentops "
-                "(the LLM proxy's spans carry no agent names)"
+                f"backend.agent_match.{self.agent}={self.trained_calls!r} needs backend.tracing=agentops (the LLM "
+                f"proxy's spans carry no agent steps); set backend.agent_match.{self.agent}=null to train every call"
             )
         if self.store_address is not None:
             url = urlparse(self.store_address)
