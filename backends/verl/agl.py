@@ -13,6 +13,10 @@ from backends.verl.settings import AglWiring
 
 # LiteLLM (agent-lightning's proxy) fetches a model cost map from the internet at import and retries for seconds.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# agent-lightning starts AgentOps with a dummy key; its spans go to agent-lightning's store. Keep AgentOps' own
+# service (prompts, SQL, schemas) out of reach unless a user points these somewhere on purpose.
+os.environ.setdefault("AGENTOPS_API_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("AGENTOPS_EXPORTER_ENDPOINT", "http://127.0.0.1:9")
 
 import agentlightning as agl
 
