@@ -3,14 +3,26 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 EXTRAS := trl,analysis,wandb,dev
+# The scale backend (agent-lightning + verl) needs its own venv: its set conflicts with the trl extra's.
+VERL_VENV := .venv-verl
+VERL_BIN := $(VERL_VENV)/bin
 
-.PHONY: setup run test lint
+.PHONY: setup setup-verl run test lint
 setup: $(VENV)/.installed
+
+setup-verl: $(VERL_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+# One install against the locked set (constraints-verl.txt pins every package, so pip does not backtrack).
+$(VERL_VENV)/.installed: pyproject.toml constraints-verl.txt
+	test -x $(VERL_BIN)/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_BIN)/pip install --quiet --upgrade pip
+	$(VERL_BIN)/pip install --quiet -c constraints-verl.txt -e ".[verl,dev]"
 	touch $@
 
 run: setup
@@ -20,5 +32,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
-	$(BIN)/python -m pytest
+# The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl.
+test: lint setup-verl
+	$(BIN)/python -m pytest -m "not verl"
+	$(VERL_BIN)/python -m pytest -m verl tests/test_verl_*.py

@@ -26,6 +26,7 @@ from langgraph.graph import END, START, StateGraph
 from agent.llm import ChatModel, Message
 from agent.scripted import Reply, say
 from agent.sql_tool import run_query, schema_text
+from agent.tracing import agent_step
 from agent.trajectory import Trajectory
 
 _FENCED_BLOCK = re.compile(r"```(?:[A-Za-z]*)?\s*\n?(.*?)```", re.DOTALL)
@@ -144,16 +145,19 @@ class SpiderSQLAgent:
         )
 
     # Nodes. LangGraph passes the run's config; the LLM and the database travel there, not in the state.
-    async def _ask(self, state: _State, config: RunnableConfig, user: str | None) -> tuple[list[Message], str]:
+    async def _ask(
+        self, state: _State, config: RunnableConfig, user: str | None, step: str
+    ) -> tuple[list[Message], str]:
         messages = list(state["messages"])
         if user is not None:
             messages.append({"role": "user", "content": user})
-        reply = await config["configurable"]["llm"].chat(messages)
+        with agent_step(step):  # agent-lightning's agent_match selects calls by step (e.g. "write": write, rewrite)
+            reply = await config["configurable"]["llm"].chat(messages)
         messages.append({"role": "assistant", "content": reply})
         return messages, reply
 
     async def _write_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
-        messages, reply = await self._ask(state, config, None)
+        messages, reply = await self._ask(state, config, None, "write_query")
         return {"messages": messages, "query": extract_sql(reply), "turns": state["turns"] + 1}
 
     async def _execute_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
@@ -177,13 +181,13 @@ class SpiderSQLAgent:
 
     async def _check_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
         user = self.check_prompt.format(query=state["query"] or "", result=state["result"])
-        messages, reply = await self._ask(state, config, user)
+        messages, reply = await self._ask(state, config, user, "check_query")
         return {"messages": messages, "correct": check_says_correct(reply)}
 
     def _after_check(self, state: _State) -> str:
         return END if state["correct"] or state["turns"] >= self.max_turns else "rewrite_query"
 
     async def _rewrite_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
-        messages, reply = await self._ask(state, config, self.rewrite_prompt)
+        messages, reply = await self._ask(state, config, self.rewrite_prompt, "rewrite_query")
         query = extract_sql(reply)
         return {"messages": messages, "query": query or state["query"], "turns": state["turns"] + 1}

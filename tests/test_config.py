@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from experiments.config import ConfigError, build_components
@@ -21,7 +22,9 @@ def options(group: str) -> list[str]:
 
 def compose_with(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)  # `${hydra:runtime.choices.agent}` resolves as under launch.py
+    return cfg
 
 
 # Options that need another option: a model other than the default tiny one (whose context is 1024 tokens), or the

@@ -1,0 +1,96 @@
+"""Our agents and rewards as an agent-lightning LitAgent, and the tracer, adapter and store the config selects."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+from agent.llm import OpenAIChat
+from agent.rollout import Agent, Reward
+from backends.verl.settings import AglWiring
+
+# LiteLLM (agent-lightning's proxy) fetches a model cost map from the internet at import and retries for seconds.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# agent-lightning starts AgentOps with a dummy key; its spans go to agent-lightning's store. Keep AgentOps' own
+# service (prompts, SQL, schemas) out of reach unless a user points these somewhere on purpose.
+os.environ.setdefault("AGENTOPS_API_ENDPOINT", "http://127.0.0.1:9")
+os.environ.setdefault("AGENTOPS_EXPORTER_ENDPOINT", "http://127.0.0.1:9")
+
+import agentlightning as agl
+
+LLM_RESOURCE = "main_llm"
+
+
+class AgentRollouts(agl.LitAgent[dict[str, Any]]):
+    """Runs one of our agents unchanged against the rollout's LLM endpoint and returns our reward for it.
+
+    The endpoint is agent-lightning's: `get_base_url(rollout_id, attempt_id)` routes every call through its LLM
+    proxy, which records the calls (token ids included) as spans of this rollout.
+    """
+
+    def __init__(self, agent: Agent, reward: Reward, sampling: dict[str, Any]) -> None:
+        super().__init__()
+        self.agent = agent
+        self.reward = reward
+        self.sampling = sampling  # ours (max_tokens per call), on top of what the resource sets (temperature)
+
+    async def rollout_async(self, task: dict[str, Any], resources: agl.NamedResources, rollout: agl.Rollout) -> Any:
+        llm = resources[LLM_RESOURCE]
+        if not isinstance(llm, agl.LLM):
+            raise TypeError(f"resource {LLM_RESOURCE} is a {type(llm).__name__}, not an LLM")
+        attempt_id = rollout.attempt.attempt_id if isinstance(rollout, agl.AttemptedRollout) else None
+        chat = OpenAIChat.connect(
+            llm.get_base_url(rollout.rollout_id, attempt_id),
+            llm.model,
+            api_key=llm.api_key or "EMPTY",
+            sampling=llm.sampling_parameters | self.sampling,
+        )
+        trajectory = await self.agent.run(task, chat)
+        # None (a judge that could not be reached) stays missing: no reward span, never a silent 0.
+        return await asyncio.to_thread(self.reward, task, trajectory)
+
+
+def tracer(wiring: AglWiring) -> agl.Tracer:
+    """agentops: AgentOps spans of the agent's steps and calls; llm_proxy: OpenTelemetry in the runners (the proxy
+    records the LLM calls)."""
+    return agl.AgentOpsTracer() if wiring.tracing == "agentops" else agl.OtelTracer()
+
+
+def adapter(wiring: AglWiring) -> agl.TraceAdapter[Any]:
+    if wiring.tracing == "agentops":
+        return agl.TracerTraceToTriplet(agent_match=wiring.trained_calls)
+    return agl.LlmProxyTraceToTriplet()
+
+
+def store_and_port(wiring: AglWiring) -> tuple[agl.LightningStore | None, int]:
+    """An external store (`backend.store_address`, which the trainer must not manage: AGL_MANAGED_STORE=0), or
+    none (the trainer serves an in-memory one on a free port)."""
+    if wiring.store_address is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return None, s.getsockname()[1]
+    os.environ["AGL_MANAGED_STORE"] = "0"
+    port = int(wiring.store_address.rsplit(":", 1)[1].split("/")[0])
+    return agl.LightningStoreClient(wiring.store_address), port
+
+
+def proxy(model_list: list[dict[str, Any]]) -> agl.LLMProxy:
+    """agent-lightning's LLM proxy (LiteLLM), on loopback only: the runners reach it there, and it has no key
+    (LiteLLM >= 1.106.2 refuses to start keyless unless told to, which is only safe bound to 127.0.0.1)."""
+    settings = {"general_settings": {"dangerously_permit_weak_or_unset_master_key": True}}
+    return agl.LLMProxy(model_list=model_list, host="127.0.0.1", litellm_config=settings)  # type: ignore[arg-type]
+
+
+def endpoint_model(base_url: str, model: str, api_key_env: str) -> dict[str, Any]:
+    """A vLLM-style OpenAI-compatible server as a proxy model; its key stays in the environment (LiteLLM reads
+    `os.environ/<name>` itself)."""
+    params = {"model": f"hosted_vllm/{model}", "api_base": base_url}
+    if os.environ.get(api_key_env):
+        params["api_key"] = f"os.environ/{api_key_env}"
+    return {"model_name": model, "litellm_params": params}
+
+
+def runner(wiring: AglWiring, poll_interval_s: float) -> agl.LitAgentRunner[Any]:
+    return agl.LitAgentRunner(tracer=tracer(wiring), poll_interval=poll_interval_s)

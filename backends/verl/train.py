@@ -1,0 +1,65 @@
+"""backend=verl: agent-lightning's Trainer with `agl.VERL` (verl GRPO, FSDP, vLLM rollouts) and our agent.
+
+    our groups -> verl config (backends/verl/config.py, validated) -> agl.VERL
+    agl.Trainer(algorithm, n_runners, LLM proxy, adapter, tracer, store) .fit(our agent as a LitAgent, tasks)
+
+On several nodes, Ray must already run across the allocation (the SLURM launcher starts it and exports
+RAY_ADDRESS); verl's entry point then joins that cluster instead of starting a local one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from backends.setup import TrainSetup
+from backends.verl import agl as wiring
+from backends.verl.agl import agl
+from backends.verl.config import build_verl_config, own_hydra
+from backends.verl.settings import VerlBackend
+from experiments.config import ConfigError
+
+
+def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
+    if setup.warmstart is not None:
+        raise ConfigError(f"warmstart={setup.warmstart.name}: backend=verl has no warm start (add warmstart=none)")
+    run = setup.run
+    config = build_verl_config(setup.model, setup.finetune, setup.algorithm, backend, run.path, setup.seed)
+    OmegaConf.save(config, run.path / "verl_config.yaml")
+    if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS"):
+        raise RuntimeError(
+            f"resources.nodes={backend.nodes}: start Ray across the allocation first (the SLURM launcher does) "
+            "and export RAY_ADDRESS, so verl joins that cluster"
+        )
+    train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
+    with own_hydra():  # agl.VERL composes with Hydra's global instance, which launch.py holds
+        algorithm = agl.VERL(OmegaConf.to_container(config, resolve=True))  # type: ignore[arg-type]
+    store, port = wiring.store_and_port(backend)
+    trainer = agl.Trainer(
+        algorithm=algorithm,
+        n_runners=backend.n_runners,
+        port=port,
+        store=store,
+        llm_proxy=wiring.proxy([]),  # verl's daemon points it at the vLLM servers once they are up
+        tracer=wiring.tracer(backend),
+        adapter=wiring.adapter(backend),
+    )
+    results: dict[str, Any] = {
+        "verl_config": str(run.path / "verl_config.yaml"),
+        "train_tasks": len(train_tasks),
+        "val_tasks": len(val_tasks),
+        "n_runners": trainer.n_runners,
+        "adapter": type(trainer.adapter).__name__,
+        "store": backend.store_address or "in-process",
+    }
+    if not backend.fit:
+        return results | {"fit": "skipped (backend.fit=false)"}
+    start = time.monotonic()
+    # verl's daemon sets the temperature (train or validation); each call's reply is one triplet's response.
+    per_call = {"max_tokens": setup.algorithm.max_tokens_per_turn or setup.algorithm.max_response_length}
+    rollouts = wiring.AgentRollouts(setup.agent, setup.reward, per_call)
+    trainer.fit(rollouts, train_dataset=train_tasks, val_dataset=val_tasks)
+    return results | {"fit": "done", "wall_s": time.monotonic() - start}

@@ -1,0 +1,260 @@
+"""job=doctor: a preflight table of what the selected run needs; exits non-zero when the run would fail.
+
+Each row is `ok`, `FAIL` (the run would fail: the row says how to fix it), `warn` (worth knowing, not fatal) or
+`-` (not used by this run). Runs in either venv: nothing from agent-lightning, verl or vLLM is imported at the top.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import netrc
+import os
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from omegaconf import DictConfig
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from backends.verl.settings import NEEDS_VENV
+from experiments.config import ConfigError, build_components
+from experiments.run_dir import RunDir
+
+ROOT = Path(__file__).resolve().parent.parent
+SCALE_BACKENDS = ("verl", "dev")
+# vLLM is not in the verl extra (no CPU build); agent-lightning 0.3.0 was tested with these.
+VLLM_TESTED = ("0.10.2", "0.11.0")
+PINNED_PACKAGES = ("agentlightning", "verl", "transformers", "openai", "opentelemetry-api", "opentelemetry-sdk")
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # ok | FAIL | warn | -
+    value: str
+    fix: str = ""
+
+
+class PreflightFailed(RuntimeError):
+    """At least one row would make the run fail."""
+
+
+def verl_pins() -> dict[str, str]:
+    """The verified set: constraints-verl.txt, the lock `make setup-verl` installs."""
+    pins = {}
+    for line in (ROOT / "constraints-verl.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            pins[canonicalize_name(req.name)] = str(req.specifier).removeprefix("==")
+    return pins
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _row(check: str, needed: bool, ok: bool, value: str, fix: str, *, soft: bool = False) -> Row:
+    """`ok` when it holds; otherwise FAIL (or warn, when soft) if this run needs it, else `-`."""
+    if ok:
+        return Row(check, "ok", value)
+    if not needed:
+        return Row(check, "-", value)
+    return Row(check, "warn" if soft else "FAIL", value, fix)
+
+
+def python_rows() -> list[Row]:
+    version = ".".join(map(str, sys.version_info[:3]))
+    ok = (3, 11) <= sys.version_info[:2] < (3, 13)
+    return [
+        _row("python", True, ok, f"{version} ({sys.prefix})", "use Python 3.11 or 3.12 (pyproject requires-python)")
+    ]
+
+
+def torch_rows(scale: bool, gpus_per_node: int) -> list[Row]:
+    import torch
+
+    rows = [Row("torch", "ok", torch.__version__)]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = [torch.cuda.get_device_properties(i) for i in range(count)]
+    listed = ", ".join(f"{p.name} {p.total_memory / 2**30:.0f} GiB" for p in gpus) or "none"
+    cuda = f"CUDA {torch.version.cuda}, {count} GPU(s): {listed}" if count else "no CUDA GPU"
+    fix = (
+        f"backend=verl needs resources.gpus_per_node={gpus_per_node} CUDA GPUs on each node: run on a GPU node "
+        "(on CPU: job=validate, backend=dev)"
+    )
+    rows.append(_row("cuda / GPUs", scale, count >= gpus_per_node, cuda, fix))
+    return rows
+
+
+def package_rows(backend: str) -> list[Row]:
+    scale, verl = backend in SCALE_BACKENDS, backend == "verl"
+    rows = []
+    for module in ("agentlightning", "verl"):
+        found = importlib.util.find_spec(module) is not None
+        rows.append(_row(module, scale, found, _version(module) or "not installed", NEEDS_VENV))
+    if backend == "trl":
+        trl = _version("trl")
+        rows.append(_row("trl", True, trl is not None, trl or "not installed", "backend=trl runs in .venv: make setup"))
+    pins = verl_pins()
+    for dist in PINNED_PACKAGES[2:]:
+        have, want = _version(dist), pins[dist]
+        fix = f"pip install -c constraints-verl.txt {dist}=={want} (or make setup-verl)"
+        rows.append(_row(dist, scale, have == want, f"{have or 'not installed'} (pinned {want})", fix))
+    otel = {d: _version(d) for d in ("opentelemetry-exporter-otlp", "opentelemetry-proto")}
+    bad = {d: v for d, v in otel.items() if v != pins[d]}
+    value = ", ".join(f"{d} {v or 'not installed'}" for d, v in otel.items())
+    fix = "agent-lightning's tracing exports no spans with other opentelemetry versions: make setup-verl"
+    rows.append(_row("opentelemetry exporters", scale, not bad, value, fix))
+    rows.append(vllm_row(verl))
+    flash = _version("flash-attn") or _version("flash_attn")
+    fix = "verl's FSDP workers import flash_attn on CUDA: pip install flash-attn --no-build-isolation (for this torch)"
+    rows.append(_row("flash-attn", verl, flash is not None, flash or "not installed", fix))
+    ray = _version("ray")
+    rows.append(_row("ray", verl, ray is not None, ray or "not installed", "make setup-verl (verl runs on Ray)"))
+    return rows
+
+
+def vllm_row(needed: bool) -> Row:
+    version = _version("vllm")
+    tested = " or ".join(VLLM_TESTED)
+    install = f"pip install vllm=={VLLM_TESTED[-1]} on the GPU machine (agent-lightning 0.3.0 was tested with {tested})"
+    if version is None:
+        return _row("vllm", needed, False, "not installed", install)
+    try:
+        importlib.import_module("vllm")
+    except Exception as exc:
+        message = f"{type(exc).__name__}: {exc}"
+        fix = install
+        if "ProcessorMixin" in message:
+            fix = (
+                f"vLLM {version} and transformers {_version('transformers')} disagree (ProcessorMixin): install the "
+                f"transformers vLLM {version} requires (pip show vllm), or vLLM {VLLM_TESTED[-1]} with the pinned set"
+            )
+        return _row("vllm", needed, False, f"{version}, import fails: {message[:160]}", fix)
+    if version not in VLLM_TESTED:
+        return _row("vllm", needed, False, f"{version} (tested: {tested})", install, soft=True)
+    return Row("vllm", "ok", version)
+
+
+def cluster_rows(cfg: DictConfig, backend: str) -> list[Row]:
+    verl = backend == "verl"
+    nodes = int(cfg.resources.nodes)
+    address = os.environ.get("RAY_ADDRESS")
+    fix = "start Ray across the allocation first (the SLURM launcher does; see README) and export RAY_ADDRESS"
+    value = f"resources.nodes={nodes}, RAY_ADDRESS={address or 'unset'}"
+    rows = [_row("ray cluster", verl and nodes > 1, nodes == 1 or bool(address), value, fix)]
+    store = cfg.backend.get("store_address") if backend in SCALE_BACKENDS else None
+    if store:
+        try:
+            reachable = httpx.get(f"{store.rstrip('/')}/v1/agl/health", timeout=5.0).is_success
+        except httpx.HTTPError:
+            reachable = False
+        fix = "start it (agl store --port 4747 in .venv-verl) or set backend.store_address=null"
+        rows.append(_row("store", True, reachable, f"{store} {'answers' if reachable else 'is not reachable'}", fix))
+    else:
+        rows.append(Row("store", "ok" if backend in SCALE_BACKENDS else "-", "in-process (managed by the trainer)"))
+    return rows
+
+
+def wandb_rows(cfg: DictConfig, backend: str) -> list[Row]:
+    used = backend == "verl" and "wandb" in cfg.backend.get("logger", [])
+    version = _version("wandb")
+    try:
+        logged_in = bool(os.environ.get("WANDB_API_KEY")) or bool(netrc.netrc().authenticators("api.wandb.ai"))
+    except (FileNotFoundError, netrc.NetrcParseError):
+        logged_in = False
+    value = f"{version or 'not installed'}, {'logged in' if logged_in else 'not logged in'}"
+    fix = "wandb login (or export WANDB_API_KEY), or drop wandb from backend.logger"
+    return [_row("wandb", used, bool(version) and logged_in, value, fix)]
+
+
+def disk_rows(cfg: DictConfig, min_free_gb: float) -> list[Row]:
+    target = Path(cfg.paths.output_dir).resolve()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    free = shutil.disk_usage(existing).free / 2**30
+    fix = f"free space at {existing} or point ARL_OUTPUT_DIR (paths.output_dir) at a disk with {min_free_gb:g} GiB"
+    return [_row("disk (checkpoints)", True, free >= min_free_gb, f"{free:.0f} GiB free at {existing}", fix)]
+
+
+def model_rows(cfg: DictConfig, backend: str) -> list[Row]:
+    """The weights the trainer loads (backend=dev talks to conf/endpoint's model instead)."""
+    model, trains = cfg.model, backend != "dev"
+    if model.get("path"):
+        ok = Path(model.path).exists()
+        fix = f"model.path={model.path} does not exist: download it (hf download {model.hub_id} --local-dir DIR)"
+        return [_row("model", trains, ok, model.path, fix)]
+    if not model.get("hub_id"):
+        value, fix = f"model={model.name}: built on first use by backend=trl", "backend=verl needs model.path=DIR"
+        return [_row("model", backend == "verl", backend == "trl", value, fix)]
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = isinstance(try_to_load_from_cache(model.hub_id, "config.json"), str)
+    value = f"{model.hub_id}: {'in the hub cache' if cached else 'not in the hub cache'}"
+    fix = f"HF_HUB_OFFLINE=1 and {model.hub_id} is not cached: hf download {model.hub_id}, or set model.path"
+    return [
+        _row(
+            "model", trains and offline, cached, value + ("" if cached or offline else ", downloaded on first use"), fix
+        )
+    ]
+
+
+def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
+    """Our config validation, and for backend=verl verl's own (where verl is installed)."""
+    try:
+        if backend == "verl" and importlib.util.find_spec("verl") is not None:
+            from experiments.validate import verl_config
+
+            verl_config(cfg, Path(cfg.paths.output_dir) / "doctor")
+            return [Row("config", "ok", "ours and verl's validate_config pass")]
+        build_components(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        return [Row("config", "FAIL", str(exc)[:200], "fix the key the message names")]
+    return [Row("config", "ok", "valid")]
+
+
+def preflight(cfg: DictConfig) -> list[Row]:
+    backend = str(cfg.backend.name)
+    if backend not in (*SCALE_BACKENDS, "trl"):
+        return [Row("backend", "FAIL", backend, "job=doctor knows backend=trl, verl and dev")]
+    return [
+        *python_rows(),
+        *torch_rows(backend == "verl", int(cfg.resources.gpus_per_node)),
+        *package_rows(backend),
+        *cluster_rows(cfg, backend),
+        *wandb_rows(cfg, backend),
+        *disk_rows(cfg, float(cfg.job.min_free_gb)),
+        *model_rows(cfg, backend),
+        *config_rows(cfg, backend),
+    ]
+
+
+def table(rows: list[Row]) -> str:
+    widths = [max(len(getattr(r, k)) for r in rows) for k in ("check", "status")]
+    lines = []
+    for r in rows:
+        line = f"{r.check:<{widths[0]}}  {r.status:<{widths[1]}}  {r.value}"
+        lines.append(
+            line + (f"\n{'':<{widths[0] + widths[1] + 4}}fix: {r.fix}" if r.status in ("FAIL", "warn") else "")
+        )
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    rows = preflight(cfg)
+    print(f"preflight for backend={cfg.backend.name}, model={cfg.model.name}:\n{table(rows)}", flush=True)
+    (run_dir.path / "doctor.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    failed = [r.check for r in rows if r.status == "FAIL"]
+    if failed:
+        raise PreflightFailed(f"{len(failed)} check(s) would make this run fail: {', '.join(failed)}")
+    return {"checks": len(rows), "warnings": [r.check for r in rows if r.status == "warn"]}

@@ -1,0 +1,1 @@
+"""Tests (a package: verl ships a top-level `tests` package that would shadow this directory otherwise)."""
