@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -79,6 +80,16 @@ def launch(args: list[str], cache: Path, output: Path, timeout: int = 600) -> su
         text=True,
         timeout=timeout,
     )
+
+
+def run_eval(app: FastAPI, args: list[str], cache: Path, output: Path) -> tuple[dict, Path]:
+    """`job=eval ARGS` against `app` served on loopback, as a user would run it; returns eval/summary.json and the
+    run directory."""
+    run_dir = output / "run"
+    with serve(app) as url:
+        result = launch(["job=eval", *args, f"endpoint.base_url={url}", f"hydra.run.dir={run_dir}"], cache, output)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((run_dir / "eval" / "summary.json").read_text()), run_dir
 
 
 def free_port() -> int:

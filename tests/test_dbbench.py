@@ -18,7 +18,7 @@ from agent.scripted import Reply, say, scripted_app, turn
 from agent.trajectory import Trajectory
 from data import dbbench
 from rewards.dbbench_match import DBBenchMatch, parse_rows
-from tests.conftest import ROOT, launch, serve
+from tests.conftest import ROOT, run_eval
 
 
 @pytest.fixture
@@ -191,12 +191,8 @@ def test_eval_accuracy_follows_the_answers(
             )
         return say(operation(task["query"]) if turn(messages) == 0 else answer(task))
 
-    run_dir = tmp_path / "run"
-    with serve(scripted_app(script)) as url:
-        args = ["job=eval", "agent=dbbench", "data.generate.n=28", "data.val_size=10"]
-        result = launch([*args, f"endpoint.base_url={url}", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    args = ["agent=dbbench", "data.generate.n=28", "data.val_size=10"]
+    summary, _ = run_eval(scripted_app(script), args, cache_dir, tmp_path)
     assert summary["n"] == 10 and summary["errors"] == 0
     assert summary["accuracy"] == (1.0 if answers == "gold" else 0.0)
 

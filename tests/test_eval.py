@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, HTTPException
 
-from tests.conftest import FAST_RUN, free_port, launch, serve
+from tests.conftest import FAST_RUN, free_port, launch, run_eval, serve
 
 FAILING_QUESTION_INDEX = 1  # the server answers this dev question with HTTP 500
 
@@ -85,11 +85,6 @@ def test_an_unreachable_endpoint_fails_before_any_task(cache_dir: Path, tmp_path
 def test_eval_of_wrong_sql_scores_zero(cache_dir: Path, tmp_path: Path) -> None:
     from agent.scripted import say, scripted_app
 
-    run_dir = tmp_path / "run"
     wrong = scripted_app(lambda messages: say("```sql\nSELECT 1 WHERE 0\n```"))  # runs, returns nothing, never right
-    with serve(wrong) as url:
-        args = ["job=eval", *FAST_RUN, f"endpoint.base_url={url}", f"hydra.run.dir={run_dir}"]
-        result = launch(args, cache_dir, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    summary, _ = run_eval(wrong, FAST_RUN, cache_dir, tmp_path)
     assert summary["n"] == 8 and summary["errors"] == 0 and summary["accuracy"] == 0.0

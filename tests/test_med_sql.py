@@ -21,7 +21,7 @@ from agent.rollout import evaluate
 from agent.scripted import Reply, Script, call, first_user_text, last_tool_output, say, scripted_app, turn
 from data import med_qa
 from rewards.answer_match import AnswerMatch
-from tests.conftest import ROOT, launch, serve
+from tests.conftest import ROOT, run_eval, serve
 
 
 @pytest.fixture
@@ -176,12 +176,8 @@ def wrong_script(messages: list[dict[str, Any]]) -> Reply:
 def test_eval_accuracy_follows_the_answers(answers: str, med_qa_dir: Path, cache_dir: Path, tmp_path: Path) -> None:
     tasks = med_qa.load_split(med_qa_dir, "val")
     script = gold_script({t["question"]: t["query"] for t in tasks}) if answers == "gold" else wrong_script
-    run_dir = tmp_path / "run"
-    with serve(scripted_app(script)) as url:
-        args = ["job=eval", "agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10"]
-        result = launch([*args, f"endpoint.base_url={url}", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "eval" / "summary.json").read_text())
+    args = ["agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10"]
+    summary, run_dir = run_eval(scripted_app(script), args, cache_dir, tmp_path)
     assert summary["n"] == 10 and summary["errors"] == 0
     assert summary["accuracy"] == (1.0 if answers == "gold" else 0.0)
     record = json.loads((run_dir / "eval" / "records.jsonl").read_text().splitlines()[0])
