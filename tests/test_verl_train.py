@@ -37,8 +37,8 @@ def test_llm_proxy_tracing(tmp_path: Path) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["adapter"] == "LlmProxyTraceToTriplet"
 
 
-def test_several_nodes_need_a_ray_cluster(tmp_path: Path) -> None:
+def test_several_nodes_outside_a_multi_node_slurm_job_fail_clearly(tmp_path: Path) -> None:
     args = [*ARGS, *DATA, "resources.nodes=2"]
-    result = launch(args, tmp_path / "c", tmp_path)
+    result = launch(args, tmp_path / "c", tmp_path)  # no SLURM allocation here: start_ray_cluster starts nothing
     assert result.returncode != 0
-    assert "resources.nodes=2: start Ray across the allocation first" in result.stdout + result.stderr
+    assert "resources.nodes=2, but this is not a job of several SLURM nodes" in result.stdout + result.stderr

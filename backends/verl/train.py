@@ -3,8 +3,9 @@
     our groups -> verl config (backends/verl/config.py, validated) -> agl.VERL
     agl.Trainer(algorithm, n_runners, LLM proxy, adapter, tracer, store) .fit(our agent as a LitAgent, tasks)
 
-On several nodes, Ray must already run across the allocation (the SLURM launcher starts it and exports
-RAY_ADDRESS); verl's entry point then joins that cluster instead of starting a local one.
+On several nodes (`resources.nodes` > 1) Ray must run across the allocation: unless RAY_ADDRESS names a cluster
+already, the job starts one over its SLURM allocation (`backends.ray_cluster.start_ray_cluster`: the head here, a
+worker on each other node) and verl's entry point joins it instead of starting a local one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from backends.ray_cluster import start_ray_cluster
 from backends.setup import TrainSetup
 from backends.verl import agl as wiring
 from backends.verl.agl import agl
@@ -29,10 +31,10 @@ def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
     run = setup.run
     config = build_verl_config(setup.model, setup.finetune, setup.algorithm, backend, run.path, setup.seed)
     OmegaConf.save(config, run.path / "verl_config.yaml")
-    if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS"):
+    if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS") and start_ray_cluster() == "local":
         raise RuntimeError(
-            f"resources.nodes={backend.nodes}: start Ray across the allocation first (the SLURM launcher does) "
-            "and export RAY_ADDRESS, so verl joins that cluster"
+            f"resources.nodes={backend.nodes}, but this is not a job of several SLURM nodes: run it with "
+            "hydra/launcher=slurm, or start Ray across the nodes yourself and export RAY_ADDRESS"
         )
     train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
     with own_hydra():  # agl.VERL composes with Hydra's global instance, which launch.py holds
