@@ -40,7 +40,9 @@ def env_free_config(cfg: DictConfig) -> dict[str, Any]:
             return [escape(v) for v in node]
         return node.replace("${", "\\${") if isinstance(node, str) and "oc.env" in node else node
 
-    return OmegaConf.to_container(OmegaConf.create(escape(OmegaConf.to_container(cfg, resolve=False))), resolve=True)
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    raw.pop("hydra", None)  # Hydra's own node (present when composed with return_hydra_config) is not the run's config
+    return OmegaConf.to_container(OmegaConf.create(escape(raw)), resolve=True)
 
 
 @dataclass
