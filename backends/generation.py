@@ -6,20 +6,21 @@
   as a CUDA graph (one per batch bucket and attended length), so a step costs one graph launch instead of a thousand
   kernel launches from Python; with `compile`, the two halves of a layer are compiled first (torch.compile fuses the
   small ops), once for all layers. It reads the model's weights as tensors and does the arithmetic of transformers'
-  modules for these architectures; LoRA adapters are merged into a copy of the weights they adapt, re-merged before
-  every call, so generation runs plain matrix products (the base weights are never modified). The trainer's
+  modules for these architectures, with q/k/v and gate/up each stacked into one matrix product. The stacked weights
+  are copies, with LoRA adapters merged in (as are the other LoRA-adapted weights), refreshed from the model before
+  every call, so generation runs plain matrix products and the model's weights are never modified. The trainer's
   log-probabilities still come from the model's own forward. Other models (or DoRA, sliding windows, length-dependent
   rotary) go to `HFGenerate`.
 
-The graphs read the weights where they are, so in-place optimizer updates are seen by the next rollout; another
-model object drops the graphs, the cache and the merged copies.
+The graphs read the copies and the other weights where they are, so the optimizer's updates are seen by the next
+rollout; another model object drops the graphs, the cache and the copies.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -107,24 +108,29 @@ class HFGenerate:
 
 @dataclass
 class _Linear:
-    """A projection as the decode loop reads it. A LoRA layer is read as its base weight with the adapters merged
-    into a copy (refreshed before each generation), so generation runs plain matrix products."""
+    """A projection as the decode loop reads it: the module's own weight, or a copy of it (refreshed before each
+    generation) where the weight is a LoRA layer's base with its adapters merged in, or a slice of a fused projection.
+    Generation then runs plain matrix products."""
 
-    module: nn.Module
+    module: nn.Module  # an nn.Linear, or a PEFT LoRA layer around one (`base_layer`)
     weight: torch.Tensor
     bias: torch.Tensor | None
 
     def refresh(self) -> None:
-        base = getattr(self.module, "base_layer", None)
-        if base is None:
+        base = getattr(self.module, "base_layer", self.module)
+        if self.bias is not None and self.bias is not base.bias:
+            self.bias.copy_(base.bias)
+        if self.weight is base.weight:
             return
-        weight = base.weight
-        adapters = [a for a in self.module.active_adapters if a in self.module.lora_A]
-        if self.module.merged or self.module.disable_adapters or not adapters:
-            self.weight.copy_(weight)
-        else:
-            delta = sum(self.module.get_delta_weight(a) for a in adapters)
-            self.weight.copy_(weight + delta.to(weight.dtype))
+        lora = self.module
+        adapters = [a for a in getattr(lora, "active_adapters", []) if a in lora.lora_A]
+        if base is lora or lora.merged or lora.disable_adapters or not adapters:
+            self.weight.copy_(base.weight)
+            return
+        dtype = base.weight.dtype
+        for i, name in enumerate(adapters):  # W + scaling * B @ A (PEFT's merge), one pass over W per adapter
+            up, down = lora.lora_B[name].weight.to(dtype), lora.lora_A[name].weight.to(dtype)
+            torch.addmm(base.weight if i == 0 else self.weight, up, down, alpha=lora.scaling[name], out=self.weight)
 
 
 def _linear(module: nn.Module) -> _Linear | None:
@@ -132,12 +138,28 @@ def _linear(module: nn.Module) -> _Linear | None:
         return _Linear(module, module.weight, module.bias)
     base = getattr(module, "base_layer", None)  # a PEFT LoRA layer
     if isinstance(base, nn.Linear) and hasattr(module, "get_delta_weight"):
-        if any(module.use_dora.get(a, False) for a in module.active_adapters):
+        if module.fan_in_fan_out or any(module.use_dora.get(a, False) for a in module.active_adapters):
             return None
-        merged = _Linear(module, torch.empty_like(base.weight), base.bias)
-        merged.refresh()
-        return merged
+        return _Linear(module, torch.empty_like(base.weight), base.bias)
     return None
+
+
+def _fuse(parts: list[_Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for projections of the same input, stacked by output rows: one matrix product instead
+    of several. Each part's weight and bias become views into the stack, filled by its `refresh`."""
+    weights = [p.weight for p in parts]
+    weight = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=weights[0].dtype,
+                         device=weights[0].device)  # fmt: skip
+    biased = any(p.bias is not None for p in parts)
+    bias = weight.new_zeros(weight.shape[0]) if biased else None
+    row = 0
+    for part in parts:
+        rows = part.weight.shape[0]
+        part.weight = weight[row : row + rows]
+        if bias is not None and part.bias is not None:
+            part.bias = bias[row : row + rows]
+        row += rows
+    return weight, bias
 
 
 @dataclass
@@ -153,14 +175,18 @@ class _LayerWeights:
     gate: _Linear
     up: _Linear
     down: _Linear
+    qkv: tuple[torch.Tensor, torch.Tensor | None] = field(init=False)  # q, k, v stacked: one product
+    gate_up: tuple[torch.Tensor, torch.Tensor | None] = field(init=False)  # gate, up stacked
+
+    def __post_init__(self) -> None:
+        self.qkv = _fuse([self.q, self.k, self.v])
+        self.gate_up = _fuse([self.gate, self.up])
 
     def attn(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.ln1, self.q_norm, self.k_norm, self.q.weight, self.q.bias, self.k.weight, self.k.bias,
-                self.v.weight, self.v.bias)  # fmt: skip
+        return (self.ln1, self.q_norm, self.k_norm, *self.qkv)
 
     def rest(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.o.weight, self.o.bias, self.ln2, self.gate.weight, self.gate.bias, self.up.weight, self.up.bias,
-                self.down.weight, self.down.bias)  # fmt: skip
+        return (self.o.weight, self.o.bias, self.ln2, *self.gate_up, self.down.weight, self.down.bias)
 
     def linears(self) -> list[_Linear]:
         return [self.q, self.k, self.v, self.o, self.gate, self.up, self.down]
@@ -182,13 +208,14 @@ class _Layout:
     eps: float
 
     def refresh(self) -> None:
-        """Re-merge LoRA adapters (the optimizer moved them); plain weights are read in place."""
+        """Copy the weights the model holds into the fused projections and re-merge LoRA adapters (the optimizer
+        moved both); unfused plain weights are read in place."""
         for linear in [lin for layer in self.layers for lin in layer.linears()] + [self.lm_head]:
             linear.refresh()
 
 
 def _layout(model: PreTrainedModel) -> _Layout | None:
-    """The decoder's weights, or None when StaticGenerate does not support the model."""
+    """The decoder's weights (copies filled), or None when StaticGenerate does not support the model."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     decoder = getattr(base, "model", None)
@@ -222,7 +249,7 @@ def _layout(model: PreTrainedModel) -> _Layout | None:
     if lm_head is None:
         return None
     attn = decoder.layers[0].self_attn
-    return _Layout(
+    layout = _Layout(
         embed=decoder.embed_tokens.weight,
         layers=layers,
         norm=decoder.norm.weight,
@@ -234,6 +261,8 @@ def _layout(model: PreTrainedModel) -> _Layout | None:
         scaling=attn.scaling,
         eps=decoder.norm.variance_epsilon,
     )
+    layout.refresh()
+    return layout
 
 
 # ---- the model's arithmetic, as transformers' Llama/Qwen2/Qwen3 modules do it -------------------------------------
@@ -249,15 +278,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attn_in(
-    x: torch.Tensor, w: tuple[Any, ...], cos: torch.Tensor, sin: torch.Tensor, head_dim: int, eps: float
+    x: torch.Tensor,
+    w: tuple[Any, ...],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+    kv_heads: int,
+    eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input norm, q/k/v projections, Qwen3's q/k norms and rotary. x (b, s, hidden) -> (b, heads, s, dim) each."""
-    ln1, q_norm, k_norm, qw, qb, kw, kb, vw, vb = w
+    """Input norm, q/k/v projections (one fused product), Qwen3's q/k norms and rotary.
+    x (b, s, hidden) -> q (b, heads, s, dim), k and v (b, kv_heads, s, dim)."""
+    ln1, q_norm, k_norm, qkv_w, qkv_b = w
     b, s, _ = x.shape
     h = _rms(x, ln1, eps)
-    q = nn.functional.linear(h, qw, qb).view(b, s, -1, head_dim)
-    k = nn.functional.linear(h, kw, kb).view(b, s, -1, head_dim)
-    v = nn.functional.linear(h, vw, vb).view(b, s, -1, head_dim)
+    qkv = nn.functional.linear(h, qkv_w, qkv_b).view(b, s, -1, head_dim)
+    q, k, v = qkv.split([qkv.shape[2] - 2 * kv_heads, kv_heads, kv_heads], dim=2)
     if q_norm is not None:
         q, k = _rms(q, q_norm, eps), _rms(k, k_norm, eps)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -267,12 +302,12 @@ def _attn_in(
 
 
 def _attn_out_mlp(x: torch.Tensor, attn: torch.Tensor, w: tuple[Any, ...], eps: float) -> torch.Tensor:
-    """o_proj and residual, post-attention norm, SiLU-gated MLP and residual."""
-    ow, ob, ln2, gw, gb, uw, ub, dw, db = w
+    """o_proj and residual, post-attention norm, SiLU-gated MLP (gate and up in one product) and residual."""
+    ow, ob, ln2, gate_up_w, gate_up_b, dw, db = w
     x = x + nn.functional.linear(attn, ow, ob)
     h = _rms(x, ln2, eps)
-    gated = nn.functional.silu(nn.functional.linear(h, gw, gb)) * nn.functional.linear(h, uw, ub)
-    return x + nn.functional.linear(gated, dw, db)
+    gate, up = nn.functional.linear(h, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + nn.functional.linear(nn.functional.silu(gate) * up, dw, db)
 
 
 def _decode_attn(
@@ -328,7 +363,7 @@ class _Decoder:
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         x = nn.functional.embedding(ids, m.embed)
         for i, layer in enumerate(m.layers):
-            q, k, v = _attn_in(x, layer.attn(), cos, sin, m.head_dim, m.eps)
+            q, k, v = _attn_in(x, layer.attn(), cos, sin, m.head_dim, m.n_kv_heads, m.eps)
             self.cache[i][0, rows, :, :width] = k
             self.cache[i][1, rows, :, :width] = v
             if m.groups > 1:
@@ -343,7 +378,7 @@ class _Decoder:
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]
         x = nn.functional.embedding(tok[:, None], m.embed)
         for i, layer in enumerate(m.layers):
-            q, k, v = self.attn_in(x, layer.attn(), cos, sin, m.head_dim, m.eps)
+            q, k, v = self.attn_in(x, layer.attn(), cos, sin, m.head_dim, m.n_kv_heads, m.eps)
             keys, values = self.cache[i][0, :b], self.cache[i][1, :b]
             keys.index_copy_(2, slot, k)
             values.index_copy_(2, slot, v)
@@ -429,13 +464,13 @@ class StaticGenerate:
         return 1 << max(0, n - 1).bit_length() if n <= 8 else 8 * math.ceil(n / 8)
 
     def _layout_for(self, model: PreTrainedModel) -> _Layout | None:
-        """The model read as tensors, built once per model (its LoRA copies too); LoRA re-merged on every call."""
+        """The model read as tensors, built once per model (its copies too); the copies refreshed on every call."""
         weight = model.get_input_embeddings().weight
         owner = (id(model), weight.data_ptr(), str(weight.dtype))
         if owner != self._owner:
             self.release()
             self._layout, self._owner = _layout(model), owner
-        if self._layout is not None:
+        elif self._layout is not None:
             self._layout.refresh()
         return self._layout
 

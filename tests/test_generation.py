@@ -93,6 +93,26 @@ def test_sampled_tokens_have_the_log_probs_the_trainer_computes(tiny, finetune: 
         torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_an_optimizer_step_between_calls_is_seen_by_the_next_generation(tiny, finetune: str) -> None:
+    model, tokenizer = copy.deepcopy(tiny[0]), tiny[1]
+    if finetune == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "o_proj"]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    prompts = prompts_of(tokenizer, ["Hi", "What is in the table?", "SELECT name FROM"])
+    kwargs = {"temperature": 0.0, "top_p": 1.0, "eos_ids": set(), "pad_id": 0}
+    engine = StaticGenerate(block=16)
+    before = engine.generate(model, prompts, [16] * 3, **kwargs)
+    torch.manual_seed(0)
+    with torch.no_grad():  # what optimizer.step() does: in place, under the engine's copies of the weights
+        for p in trained:
+            p.add_(torch.randn_like(p) * 0.3)
+    after = engine.generate(model, prompts, [16] * 3, **kwargs)
+    expected = HFGenerate().generate(model, prompts, [16] * 3, **kwargs)
+    assert [c.token_ids for c in after] == [c.token_ids for c in expected]
+    assert [c.token_ids for c in after] != [c.token_ids for c in before]
+
+
 def test_top_p_keeps_only_the_nucleus(tiny) -> None:
     model, tokenizer = tiny
     prompts = prompts_of(tokenizer, ["What is in the table?"] * 8)
