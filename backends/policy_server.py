@@ -5,7 +5,8 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
 
 - Each rollout gets its own base URL, `/rollouts/<id>/v1`, so calls are attributed without the agent knowing.
 - Requests from concurrent rollouts are generated together: a batch starts when every active rollout is waiting on
-  the model (or after `batch_wait_s`), so the agents of one training step share one `generate` call per turn.
+  the model (or once no new request has come for `batch_wait_s`), so the agents of one training step share one
+  `generate` call per turn.
 - Lengths are per rollout, as the trainer sees them: the first prompt is at most `max_prompt_tokens` (else HTTP 400),
   and everything after it (all replies, and the text added between turns) at most `max_response_tokens`. A call made
   after the budget is spent gets an empty reply with `finish_reason="length"`, and so does a later call that does not
@@ -224,8 +225,10 @@ class PolicyServer:
             return
         if self._active is not None and len(self._pending) >= self._active:
             self._start_batch()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.batch_wait_s, self._start_batch)
+            return
+        if self._timer is not None:  # a new arrival restarts the wait: rollouts still starting up join this batch
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self.batch_wait_s, self._start_batch)
 
     def _start_batch(self) -> None:
         if self._timer is not None:

@@ -74,6 +74,26 @@ def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
     assert all(len(server.pop_records(f"r{i}")) == 2 for i in range(8))
 
 
+def test_rollouts_that_start_one_by_one_still_share_one_generate_call(tiny) -> None:
+    # No count of active rollouts: the batch starts once no request has come for batch_wait_s. Requests 0.3 s apart
+    # span 0.9 s, longer than the wait (0.6 s), and still make one batch: each arrival restarts the wait.
+    server = server_for(tiny, batch_wait_s=0.6)
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 4}) for i in range(5)]
+
+    async def run_all() -> int:
+        await chats[0].chat([{"role": "user", "content": "Hi"}])  # the client's one-off start-up, before timing
+        before = server.generate_calls
+
+        async def one(delay: float, chat: OpenAIChat) -> None:
+            await asyncio.sleep(delay)
+            await chat.chat([{"role": "user", "content": "Hi"}])
+
+        await asyncio.gather(*(one(0.3 * i, c) for i, c in enumerate(chats[1:])))
+        return server.generate_calls - before
+
+    assert asyncio.run(run_all()) == 1
+
+
 def test_a_spent_response_budget_ends_the_rollout_with_length(tiny) -> None:
     server = server_for(tiny, max_response_tokens=8)
     chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 8})
