@@ -51,6 +51,16 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert state["global_step"] == 3
 
 
+def test_grpo_without_a_warm_start(cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch([*FAST_RUN, "warmstart=none", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert "sft" not in summary and {"val_initial", "val_final"} <= summary.keys()
+    assert not (run_dir / "checkpoints" / "sft").exists()
+
+
 def test_grpo_with_lora_saves_an_adapter(cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = launch([*FAST_RUN, "finetune=lora", "finetune.rank=8", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
