@@ -80,14 +80,20 @@ def test_local_parallel_runs_every_run_and_reports_the_failure(cache_dir: Path, 
     assert statuses == ["completed", "failed", "completed"]
 
 
-def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "0").mkdir()
-    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": ["seed=0"]}))
-    (tmp_path / "1").mkdir()
-    (tmp_path / "1" / "summary.json").write_text(
+def local_sweep(sweep: Path) -> Path:
+    """A local sweep's directory: run 0 completed, run 1 failed, run 2 started without a summary yet."""
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": ["seed=0"]}))
+    (sweep / "1").mkdir()
+    (sweep / "1" / "summary.json").write_text(
         json.dumps({"status": "failed", "overrides": ["seed=1"], "error": "ValueError: bad", "traceback": "a\nb\nc\n"})
     )
-    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # started, no summary yet, no scheduler to ask
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # no scheduler to ask whether it still runs
+    return sweep
+
+
+def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    local_sweep(tmp_path)
     assert status_main([str(tmp_path), "--tail", "2"]) == 0
     text = capsys.readouterr().out
     assert f"{tmp_path}: 3 runs: 1 completed, 1 failed, 1 incomplete" in text
@@ -100,6 +106,21 @@ def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFi
         (2, "incomplete", []),
     ]
     assert status_main([str(tmp_path / "missing")]) == 2
+
+
+def test_job_status_prints_what_analysis_status_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep, run_dir = local_sweep(tmp_path / "sweep"), tmp_path / "run"
+    assert status_main([str(sweep)]) == 0
+    table = capsys.readouterr().out
+    shown = launch(["job=status", f"job.sweep_dir={sweep}", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert table in shown.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["runs"] == {"completed": 1, "failed": 1, "incomplete": 1}
+
+    missing = launch(["job=status", f"job.sweep_dir={tmp_path / 'nothing'}"], tmp_path / "c", tmp_path)
+    assert missing.returncode != 0
+    assert f"job.sweep_dir={tmp_path / 'nothing'}: no such sweep directory" in missing.stdout + missing.stderr
 
 
 def test_resume_skips_a_checkpoint_left_half_written(tmp_path: Path) -> None:
