@@ -54,6 +54,7 @@ def test_a_failing_run_does_not_stop_a_local_sweep_and_a_rerun_only_reruns_it(ca
     assert again.returncode == 1
     assert again.stdout.count("completed before with the same overrides, not run again") == 2
     assert [executions(sweep / str(n)) for n in range(4)] == [1, 1, 2, 2]
+    assert [json.loads((sweep / str(n) / "summary.json").read_text())["attempts"] for n in range(4)] == [1, 1, 2, 2]
 
     runs = sweep_status(sweep)
     assert [(r.num, r.status) for r in runs] == [(0, "completed"), (1, "completed"), (2, "failed"), (3, "failed")]

@@ -114,6 +114,10 @@ def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def attempts(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+
+
 def steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -176,7 +180,9 @@ def test_a_slurm_sweep_survives_a_failure_a_requeue_and_a_preemption(slurm_sweep
     # Both interrupted runs went on in their own run directory from a checkpoint, not from the start.
     for num in (0, 1):
         assert summary(sweep_dir / str(num))["resumed_from"].startswith("checkpoint-")
-    assert "resumed_from" not in summary(sweep_dir / "3")
+        assert summary(sweep_dir / str(num))["attempts"] == 2  # the kill left no summary for run 0: counted anyway
+        assert len({a["slurm_job_id"] for a in attempts(sweep_dir / str(num))}) == 1  # requeued: the same job
+    assert "resumed_from" not in summary(sweep_dir / "3") and summary(sweep_dir / "3")["attempts"] == 1
     jobs = submitted_jobs(sweep_dir)
     assert len(jobs) == 4 and len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 4  # resumed, not resubmitted
     preempted_log = JobPaths(jobs[1]["folder"], job_id=jobs[1]["job_id"], task_id=0).stderr
@@ -203,6 +209,8 @@ def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, 
     assert statuses(sweep_dir)[2] in {"queued", "running"}  # the launcher returned while the job is still there
 
     wait_for("the resubmitted run to fail again", lambda: statuses(sweep_dir)[2] == "failed")
+    assert summary(sweep_dir / "2")["attempts"] == 2
+    assert [a["slurm_job_id"] for a in attempts(sweep_dir / "2")] == [before[2]["job_id"], after[2]["job_id"]]
     shown = subprocess.run(
         [sys.executable, "-m", "analysis.status", str(sweep_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

@@ -44,6 +44,7 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["resumed_from"] == "checkpoint-2" and resumed["steps"] == 3
+    assert (summary["attempts"], resumed["attempts"]) == (1, 2)
     again = metrics_of(run_dir)
     assert [m["step"] for m in again] == [0, 1, 2, 3]
     assert again[:3] == metrics[:3]  # steps before the checkpoint are kept as they were, not re-run
