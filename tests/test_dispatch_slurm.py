@@ -11,7 +11,6 @@ the reason.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import subprocess
@@ -27,10 +26,9 @@ from submitit.core.utils import JobPaths
 from analysis.status import sweep_status
 from experiments.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, ROOT
+from tests.local_slurm import local_cluster
 
-CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
 CHECKPOINT_1 = Path("checkpoints", "checkpoint-1", "trainer_state.json")  # written last: the checkpoint is complete
-LOCK = Path("/tmp/arl-slurm.lock")  # one test session at a time owns the machine's cluster
 
 # Each job: 1 CPU (2 jobs at once on 2 cores), no GPU; a time limit over 10 min, so that USR2 reads as a preemption.
 SLURM = [
@@ -51,27 +49,10 @@ SWEEP = [
 ]
 
 
-def run_cluster(command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(CLUSTER), command], capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def slurm_cluster() -> Iterator[None]:
-    if os.geteuid() != 0:
-        pytest.fail("starting SLURM's daemons needs root")
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            started = run_cluster("start")
-        except subprocess.TimeoutExpired as exc:
-            run_cluster("stop")
-            pytest.fail(f"SLURM did not start in {exc.timeout} s")
-        try:
-            if started.returncode != 0:
-                pytest.fail(f"SLURM could not start:\n{started.stderr[-3000:]}")
-            yield
-        finally:
-            run_cluster("stop")
+    with local_cluster():
+        yield
 
 
 def env_for(cache: Path, output: Path) -> dict[str, str]:
