@@ -1,4 +1,5 @@
 """python -m analysis.status SWEEP_DIR [--json] [--tail N]: each run of a sweep, completed, failed, running or queued.
+The same table as a launch.py job: `python launch.py job=status job.sweep_dir=SWEEP_DIR` (conf/job/status.yaml).
 
 Reads the run directories' `summary.json`, the jobs the SLURM launcher recorded (`jobs.jsonl`) and SLURM's view of
 them (squeue, sacct). A failed run shows the end of its error: its traceback, or the job's stderr when the job died
@@ -16,8 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig
 from submitit.core.utils import JobPaths
 
+from experiments.config import ConfigError
+from experiments.run_dir import RunDir
 from experiments.sweep import QUEUED_STATES, RUNNING_STATES, read_summary, slurm_states, submitted_jobs
 
 
@@ -84,6 +88,16 @@ def format_status(sweep_dir: Path, runs: list[RunStatus]) -> str:
             lines.append(f"{'':>6}{r.error}")
             lines += [f"{'':>8}| {line}" for line in r.error_tail]
     return "\n".join(lines)
+
+
+def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    """job=status: print the table of `job.sweep_dir`; the summary counts its runs by status."""
+    sweep_dir = Path(cfg.job.sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ConfigError(f"job.sweep_dir={sweep_dir}: no such sweep directory")
+    runs = sweep_status(sweep_dir, cfg.job.tail)
+    print(format_status(sweep_dir, runs), flush=True)
+    return {"sweep_dir": str(sweep_dir), "runs": dict(Counter(r.status for r in runs))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,11 @@ initialises Ray:
     address = start_ray_cluster()        # "10.0.0.5:6379" on 4 nodes, "local" on one node or outside SLURM
     ray.init(address=address)            # or let the trainer call ray.init(): RAY_ADDRESS is set
 
-On N > 1 nodes it starts the Ray head on this node (`ray start --head`), one Ray worker on each other node through
-`srun --overlap` (`ray start --address=... --block`), waits until all N nodes have joined and returns the head's
-address. `stop_ray_cluster()` (also run at exit) stops both.
+On N > 1 nodes it starts the Ray head on this node (`ray start --head --block`), one Ray worker on each other node
+through `srun --overlap` (`ray start --address=... --block`), waits until all N nodes have joined and returns the
+head's address. `stop_ray_cluster()` (also run at exit) stops both by their processes, not with `ray stop`, which would
+also stop any other Ray on these nodes. `ray` is the one installed beside this Python (whose `import ray` must match
+the cluster's version), else the first on PATH.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import time
 
 log = logging.getLogger(__name__)
 
+_head: subprocess.Popen[bytes] | None = None
 _workers: subprocess.Popen[bytes] | None = None
-POLL_S = 2.0  # how often to count the nodes that joined
+POLL_S = 2.0  # how often to look whether the head listens and to count the nodes that joined
 
 
 def slurm_nodes() -> list[str]:
@@ -42,10 +47,21 @@ def _node_resources() -> list[str]:
     return [f"--num-cpus={cpus}"] if cpus else []
 
 
+def _ray_cli() -> str:
+    return shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+
+
+def _listening(ip: str, port: int) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def start_ray_cluster(port: int = 6379, timeout_s: float = 600.0) -> str:
     """Start Ray on every node of this SLURM job and return the address for `ray.init(address=...)` (also set as
     RAY_ADDRESS). One node, or not in SLURM: starts nothing and returns "local". Must run on the job's first node."""
-    global _workers
     nodes = slurm_nodes()
     if len(nodes) <= 1:
         return "local"
@@ -57,9 +73,27 @@ def start_ray_cluster(port: int = 6379, timeout_s: float = 600.0) -> str:
     address = f"{ip}:{port}"
     log.info(f"Ray head on {head} ({address}), workers on {', '.join(others)}")
     atexit.register(stop_ray_cluster)
-    subprocess.run(
-        ["ray", "start", "--head", f"--node-ip-address={ip}", f"--port={port}", *_node_resources()], check=True
+    try:
+        _start(ip, port, others, len(nodes), time.monotonic() + timeout_s, timeout_s)
+    except BaseException:
+        stop_ray_cluster()  # what started, on a failure here
+        raise
+    os.environ["RAY_ADDRESS"] = address
+    return address
+
+
+def _start(ip: str, port: int, others: list[str], expected: int, deadline: float, timeout_s: float) -> None:
+    global _head, _workers
+    address, ray_cli = f"{ip}:{port}", _ray_cli()
+    _head = subprocess.Popen(
+        [ray_cli, "start", "--head", "--block", f"--node-ip-address={ip}", f"--port={port}", *_node_resources()]
     )
+    while not _listening(ip, port):
+        if _head.poll() is not None:
+            raise RuntimeError(f"the Ray head exited ({_head.returncode}) before it listened at {address}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the Ray head did not listen at {address} in {timeout_s} s")
+        time.sleep(POLL_S)
     _workers = subprocess.Popen(
         [
             "srun",
@@ -68,24 +102,21 @@ def start_ray_cluster(port: int = 6379, timeout_s: float = 600.0) -> str:
             f"--ntasks={len(others)}",
             "--ntasks-per-node=1",
             f"--nodelist={','.join(others)}",
-            "ray",
+            ray_cli,
             "start",
             f"--address={address}",
             "--block",
             *_node_resources(),
         ]
     )
-    _wait_for_nodes(address, len(nodes), timeout_s)
-    os.environ["RAY_ADDRESS"] = address
-    return address
+    _wait_for_nodes(address, expected, deadline, timeout_s)
 
 
-def _wait_for_nodes(address: str, expected: int, timeout_s: float) -> None:
+def _wait_for_nodes(address: str, expected: int, deadline: float, timeout_s: float) -> None:
     import ray  # the verl extra's; imported only where a multi-node run needs it
 
     ray.init(address=address, logging_level=logging.ERROR)
     try:
-        deadline = time.monotonic() + timeout_s
         while (alive := sum(1 for node in ray.nodes() if node["Alive"])) < expected:
             assert _workers is not None
             if _workers.poll() is not None:
@@ -99,15 +130,15 @@ def _wait_for_nodes(address: str, expected: int, timeout_s: float) -> None:
 
 
 def stop_ray_cluster() -> None:
-    """Stop the workers and the head that `start_ray_cluster` started (nothing if it started none)."""
-    global _workers
-    if _workers is None:
-        return
-    if _workers.poll() is None:
-        _workers.terminate()
-        try:
-            _workers.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            _workers.kill()
-    _workers = None
-    subprocess.run(["ray", "stop", "--force"], check=False)
+    """Stop the workers, then the head, that `start_ray_cluster` started (nothing if it started none). Each
+    `ray start --block` stops its node's Ray processes when it is terminated."""
+    global _head, _workers
+    for process in (_workers, _head):
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    _head = _workers = None

@@ -1,16 +1,20 @@
 """What every job shares: its run directory, config validation, and a `summary.json` whatever happens.
 
 `summary.json` says `completed`, `failed` (an exception, with `error` and `traceback`) or `interrupted` (the process
-was told to stop: preemption, Ctrl-C; a requeued job runs again and resumes). In a sweep, a run that completed
-before in its directory with the same overrides is not run again.
+was told to stop: preemption, Ctrl-C; a requeued job runs again and resumes). It describes the latest attempt;
+`attempts` counts the starts in this directory, one line each in `attempts.jsonl` (time, commit, host, SLURM job).
+In a sweep, a run that completed before in its directory with the same overrides is not run again.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 import traceback
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
@@ -25,6 +29,15 @@ from experiments.sweep import completed_run
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 
 
+def slurm_job_id() -> str | None:
+    """This job's id as squeue, sacct and `jobs.jsonl` show it (`<array job>_<task>` in an array); None outside
+    SLURM."""
+    env = os.environ
+    if "SLURM_ARRAY_JOB_ID" in env:
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env.get("SLURM_JOB_ID")
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
     hydra = HydraConfig.get()  # one output directory per run, also in a sweep
@@ -34,7 +47,20 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     if hydra.mode == RunMode.MULTIRUN and (previous := completed_run(run.path, overrides)) is not None:
         print(f"run directory: {run.path}\nstatus: completed before with the same overrides, not run again", flush=True)
         return previous
-    base = {"job": cfg.job.name, "run_dir": str(run.path), "git_commit": git_commit(), "overrides": overrides}
+    commit = git_commit()
+    attempt = {
+        "started": datetime.now().isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "host": socket.gethostname(),
+        "slurm_job_id": slurm_job_id(),
+    }
+    base = {
+        "job": cfg.job.name,
+        "run_dir": str(run.path),
+        "git_commit": commit,
+        "overrides": overrides,
+        "attempts": run.start_attempt(attempt),  # > 1: started here again after a requeue, preemption or failure
+    }
     start = time.monotonic()
     tracker = None
     try:

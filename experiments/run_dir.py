@@ -1,5 +1,5 @@
-"""The run directory, the one thing analysis reads: `.hydra/`, `metrics.jsonl`, `summary.json`, `checkpoints/`,
-`samples/`."""
+"""The run directory, the one thing analysis reads: `.hydra/`, `metrics.jsonl`, `summary.json`, `attempts.jsonl`,
+`checkpoints/`, `samples/`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ class RunDir:
     def summary_file(self) -> Path:
         return self.path / "summary.json"
 
+    @property
+    def attempts_file(self) -> Path:
+        return self.path / "attempts.jsonl"
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         values = {k: _jsonable(v) for k, v in metrics.items()}
         with self.metrics_file.open("a", encoding="utf-8") as f:
@@ -68,6 +72,13 @@ class RunDir:
         with (self.samples / f"{name}.jsonl").open("w", encoding="utf-8") as f:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def start_attempt(self, record: dict[str, Any]) -> int:
+        """Append one line to `attempts.jsonl` each time the job starts in this directory (the first time, a re-run, a
+        requeue after a preemption or a kill); returns how many times it has, this time included."""
+        with self.attempts_file.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        return len(self.attempts_file.read_text(encoding="utf-8").splitlines())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         tmp = self.summary_file.with_suffix(".json.tmp")

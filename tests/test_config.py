@@ -75,6 +75,12 @@ def test_tiny_selects_its_warm_start_and_cpu_sizes_but_real_models_do_not() -> N
     assert not real.warmstart and real.algorithm.max_prompt_length == 4096
 
 
+def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shortens_it() -> None:
+    assert build_components(compose_with("experiment=smoke"))["warmstart"].steps == 5
+    for overrides in (["experiment=smoke", "warmstart=none"], ["warmstart=none", "experiment=ablation_check_tiny"]):
+        assert build_components(compose_with(*overrides))["warmstart"] is None
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [

@@ -54,6 +54,7 @@ def test_a_failing_run_does_not_stop_a_local_sweep_and_a_rerun_only_reruns_it(ca
     assert again.returncode == 1
     assert again.stdout.count("completed before with the same overrides, not run again") == 2
     assert [executions(sweep / str(n)) for n in range(4)] == [1, 1, 2, 2]
+    assert [json.loads((sweep / str(n) / "summary.json").read_text())["attempts"] for n in range(4)] == [1, 1, 2, 2]
 
     runs = sweep_status(sweep)
     assert [(r.num, r.status) for r in runs] == [(0, "completed"), (1, "completed"), (2, "failed"), (3, "failed")]
@@ -80,14 +81,20 @@ def test_local_parallel_runs_every_run_and_reports_the_failure(cache_dir: Path, 
     assert statuses == ["completed", "failed", "completed"]
 
 
-def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "0").mkdir()
-    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": ["seed=0"]}))
-    (tmp_path / "1").mkdir()
-    (tmp_path / "1" / "summary.json").write_text(
+def local_sweep(sweep: Path) -> Path:
+    """A local sweep's directory: run 0 completed, run 1 failed, run 2 started without a summary yet."""
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": ["seed=0"]}))
+    (sweep / "1").mkdir()
+    (sweep / "1" / "summary.json").write_text(
         json.dumps({"status": "failed", "overrides": ["seed=1"], "error": "ValueError: bad", "traceback": "a\nb\nc\n"})
     )
-    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # started, no summary yet, no scheduler to ask
+    (sweep / "2" / ".hydra").mkdir(parents=True)  # no scheduler to ask whether it still runs
+    return sweep
+
+
+def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    local_sweep(tmp_path)
     assert status_main([str(tmp_path), "--tail", "2"]) == 0
     text = capsys.readouterr().out
     assert f"{tmp_path}: 3 runs: 1 completed, 1 failed, 1 incomplete" in text
@@ -102,6 +109,21 @@ def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFi
     assert status_main([str(tmp_path / "missing")]) == 2
 
 
+def test_job_status_prints_what_analysis_status_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sweep, run_dir = local_sweep(tmp_path / "sweep"), tmp_path / "run"
+    assert status_main([str(sweep)]) == 0
+    table = capsys.readouterr().out
+    shown = launch(["job=status", f"job.sweep_dir={sweep}", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    assert table in shown.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["runs"] == {"completed": 1, "failed": 1, "incomplete": 1}
+
+    missing = launch(["job=status", f"job.sweep_dir={tmp_path / 'nothing'}"], tmp_path / "c", tmp_path)
+    assert missing.returncode != 0
+    assert f"job.sweep_dir={tmp_path / 'nothing'}: no such sweep directory" in missing.stdout + missing.stderr
+
+
 def test_resume_skips_a_checkpoint_left_half_written(tmp_path: Path) -> None:
     assert last_complete_checkpoint(tmp_path) is None
     for step in (1, 2, 10):
@@ -113,32 +135,35 @@ def test_resume_skips_a_checkpoint_left_half_written(tmp_path: Path) -> None:
     assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
 
 
-# --- the Ray bootstrap, with stand-ins for `ray`, `srun` and `scontrol` (ray is not installed here) ---
+# --- the Ray bootstrap, with stand-ins for `ray`, `srun` and `scontrol` (the real ones: test_verl_ray_slurm.py) ---
 
 
 @pytest.fixture
 def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """`scontrol`, `ray` and `srun` executables that log their arguments, and a `ray` module whose nodes join one
-    per poll after srun started, on a 3-node allocation whose first node is this one."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    """`scontrol` and `srun` executables on PATH and a `ray` beside this Python that log their arguments (`ray start
+    --block` and srun keep running), and a `ray` module whose nodes join one per poll after srun started, on a 3-node
+    allocation whose first node is this one."""
+    bin_dir, venv_bin, calls = tmp_path / "bin", tmp_path / "venv" / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
+    venv_bin.mkdir(parents=True)
     scripts = {
-        "scontrol": "echo node1; echo node2; echo node3",
-        "ray": f'echo "ray $*" >> {calls}',
-        "srun": f'echo "srun $*" >> {calls}; exec sleep 300',
+        bin_dir / "scontrol": "echo node1; echo node2; echo node3",
+        bin_dir / "srun": f'echo "srun $*" >> {calls}; exec sleep 300',
+        venv_bin / "ray": f'echo "ray $*" >> {calls}; [ -f {tmp_path}/head_fails ] && exit 3; exec sleep 300',
     }
-    for name, body in scripts.items():
-        path = bin_dir / name
+    for path, body in scripts.items():
         path.write_text(f"#!/bin/sh\n{body}\n")
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(ray_cluster.sys, "executable", str(venv_bin / "python"))
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-3]")
     monkeypatch.setenv("SLURMD_NODENAME", "node1")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "16")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster.socket, "gethostbyname", lambda host: {"node1": "10.0.0.1"}[host])
     monkeypatch.setattr(ray_cluster, "POLL_S", 0.01)
-    state = SimpleNamespace(alive=1, join=True, connected=[], calls=calls)
+    monkeypatch.setattr(ray_cluster, "_listening", lambda ip, port: not (tmp_path / "head_fails").exists())
+    state = SimpleNamespace(alive=1, join=True, connected=[], calls=calls, venv_bin=venv_bin, tmp_path=tmp_path)
 
     def nodes() -> list[dict]:  # a worker joins per poll once the workers' srun has started
         started = calls.is_file() and "srun" in calls.read_text()
@@ -157,23 +182,31 @@ def test_ray_cluster_starts_the_head_here_and_workers_on_the_other_nodes(fake_cl
     address = ray_cluster.start_ray_cluster(port=6380)
     assert address == "10.0.0.1:6380" and os.environ["RAY_ADDRESS"] == address
     assert fake_cluster.connected == [address]
-    workers = ray_cluster._workers
-    assert workers is not None and workers.poll() is None  # the workers' srun keeps running with the job
+    head, workers = ray_cluster._head, ray_cluster._workers
+    assert head is not None and workers is not None
+    assert head.poll() is None and workers.poll() is None  # both keep running with the job
     ray_cluster.stop_ray_cluster()
-    assert workers.poll() is not None
+    assert head.poll() is not None and workers.poll() is not None  # stopped by their processes, not by `ray stop`
     calls = fake_cluster.calls.read_text().splitlines()
-    assert calls[0] == "ray start --head --node-ip-address=10.0.0.1 --port=6380 --num-cpus=16"
-    assert calls[1] == (
+    assert calls == [
+        "ray start --head --block --node-ip-address=10.0.0.1 --port=6380 --num-cpus=16",
         "srun --overlap --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=node2,node3 "
-        "ray start --address=10.0.0.1:6380 --block --num-cpus=16"
-    )
-    assert calls[2] == "ray stop --force"
+        f"{fake_cluster.venv_bin / 'ray'} start --address=10.0.0.1:6380 --block --num-cpus=16",  # this Python's ray
+    ]
 
 
-def test_ray_cluster_says_which_nodes_never_joined(fake_cluster: SimpleNamespace) -> None:
+def test_ray_cluster_says_which_nodes_never_joined_and_stops_what_started(fake_cluster: SimpleNamespace) -> None:
     fake_cluster.join = False
     with pytest.raises(TimeoutError, match=r"1 of 3 nodes joined the Ray cluster at 10\.0\.0\.1:6379"):
         ray_cluster.start_ray_cluster(timeout_s=0)
+    assert ray_cluster._head is None and ray_cluster._workers is None
+
+
+def test_ray_cluster_says_when_the_head_did_not_start(fake_cluster: SimpleNamespace) -> None:
+    (fake_cluster.tmp_path / "head_fails").touch()
+    with pytest.raises(RuntimeError, match=r"the Ray head exited \(3\) before it listened at 10\.0\.0\.1:6379"):
+        ray_cluster.start_ray_cluster()
+    assert "srun" not in fake_cluster.calls.read_text()
 
 
 def test_ray_cluster_runs_on_the_first_node_only(

@@ -11,7 +11,6 @@ the reason.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import subprocess
@@ -27,10 +26,9 @@ from submitit.core.utils import JobPaths
 from analysis.status import sweep_status
 from experiments.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, ROOT
+from tests.local_slurm import local_cluster
 
-CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
 CHECKPOINT_1 = Path("checkpoints", "checkpoint-1", "trainer_state.json")  # written last: the checkpoint is complete
-LOCK = Path("/tmp/arl-slurm.lock")  # one test session at a time owns the machine's cluster
 
 # Each job: 1 CPU (2 jobs at once on 2 cores), no GPU; a time limit over 10 min, so that USR2 reads as a preemption.
 SLURM = [
@@ -51,27 +49,10 @@ SWEEP = [
 ]
 
 
-def run_cluster(command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(CLUSTER), command], capture_output=True, text=True, timeout=900)
-
-
 @pytest.fixture(scope="module")
 def slurm_cluster() -> Iterator[None]:
-    if os.geteuid() != 0:
-        pytest.fail("starting SLURM's daemons needs root")
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            started = run_cluster("start")
-        except subprocess.TimeoutExpired as exc:
-            run_cluster("stop")
-            pytest.fail(f"SLURM did not start in {exc.timeout} s")
-        try:
-            if started.returncode != 0:
-                pytest.fail(f"SLURM could not start:\n{started.stderr[-3000:]}")
-            yield
-        finally:
-            run_cluster("stop")
+    with local_cluster():
+        yield
 
 
 def env_for(cache: Path, output: Path) -> dict[str, str]:
@@ -112,6 +93,10 @@ def preempt(job_id: str) -> None:
 def summary(run_dir: Path) -> dict[str, Any]:
     path = run_dir / "summary.json"
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def attempts(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
 
 
 def steps(run_dir: Path) -> list[int]:
@@ -176,7 +161,9 @@ def test_a_slurm_sweep_survives_a_failure_a_requeue_and_a_preemption(slurm_sweep
     # Both interrupted runs went on in their own run directory from a checkpoint, not from the start.
     for num in (0, 1):
         assert summary(sweep_dir / str(num))["resumed_from"].startswith("checkpoint-")
-    assert "resumed_from" not in summary(sweep_dir / "3")
+        assert summary(sweep_dir / str(num))["attempts"] == 2  # the kill left no summary for run 0: counted anyway
+        assert len({a["slurm_job_id"] for a in attempts(sweep_dir / str(num))}) == 1  # requeued: the same job
+    assert "resumed_from" not in summary(sweep_dir / "3") and summary(sweep_dir / "3")["attempts"] == 1
     jobs = submitted_jobs(sweep_dir)
     assert len(jobs) == 4 and len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 4  # resumed, not resubmitted
     preempted_log = JobPaths(jobs[1]["folder"], job_id=jobs[1]["job_id"], task_id=0).stderr
@@ -203,6 +190,8 @@ def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, 
     assert statuses(sweep_dir)[2] in {"queued", "running"}  # the launcher returned while the job is still there
 
     wait_for("the resubmitted run to fail again", lambda: statuses(sweep_dir)[2] == "failed")
+    assert summary(sweep_dir / "2")["attempts"] == 2
+    assert [a["slurm_job_id"] for a in attempts(sweep_dir / "2")] == [before[2]["job_id"], after[2]["job_id"]]
     shown = subprocess.run(
         [sys.executable, "-m", "analysis.status", str(sweep_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

@@ -44,11 +44,22 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["resumed_from"] == "checkpoint-2" and resumed["steps"] == 3
+    assert (summary["attempts"], resumed["attempts"]) == (1, 2)
     again = metrics_of(run_dir)
     assert [m["step"] for m in again] == [0, 1, 2, 3]
     assert again[:3] == metrics[:3]  # steps before the checkpoint are kept as they were, not re-run
     state = json.loads((run_dir / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+
+
+def test_grpo_without_a_warm_start(cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch([*FAST_RUN, "warmstart=none", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    assert "sft" not in summary and {"val_initial", "val_final"} <= summary.keys()
+    assert not (run_dir / "checkpoints" / "sft").exists()
 
 
 def test_grpo_with_lora_saves_an_adapter(cache_dir: Path, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@
   SLURM still has queued or running (`experiments/sweep.py`); the others are submitted as one job array.
 - Each submitted job is appended to `<sweep_dir>/jobs.jsonl`, which `python -m analysis.status <sweep_dir>` reads.
 - `hydra.launcher.wait=false` submits and returns: no process waits for the sweep.
+- A job of several nodes runs its run once, as task 0 on its first node (`srun_args`), and is waited for as such.
 
 (Hydra loads launchers only from the `hydra_plugins` package, hence this folder.)
 """
@@ -79,7 +80,9 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             )
             return list(returns.values())
         for num, job in waiting.items():
-            returns[num] = job.results()[0]
+            # Task 0 runs the run (`srun_args`); submitit counts nodes x tasks_per_node tasks and would wait for
+            # results that the other nodes' tasks never write.
+            returns[num] = job.task(0).result()
         return [returns[num] for num in sorted(returns)]
 
     def _run_dir(self, num: int, overrides: list[str]) -> Path:
