@@ -12,7 +12,9 @@ sets it (off). The generation time is timed apart, so both ratios are reported. 
   compiled (torch.compile) before capture; `ours_eager`: neither graphs nor compile.
 - `ours_hf`: `generation_engine=hf` (policy server and agent, HF generate): what the engine adds.
 
-    python bench/rollout_speed.py --device cuda --out bench/results/rollout_speed.json
+    for c in qwen3_0_6b-full qwen3_0_6b-lora qwen25_7b-lora; do   # one process per shape (in one process,
+        python bench/rollout_speed.py --cases $c --out bench/results/rollout_speed_$c.json   # torch.compile
+    done                                                           # reaches its recompile limit across models)
     python bench/rollout_speed.py --shapes tiny --device cpu --steps 2     # the same code on a 2-layer model
 
 Prints a table (median step time, generated tokens/s, ratio to plain, percent of the bandwidth bound, peak memory)
