@@ -162,7 +162,12 @@ def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNames
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_cluster.socket, "gethostbyname", lambda host: {"node1": "10.0.0.1"}[host])
     monkeypatch.setattr(ray_cluster, "POLL_S", 0.01)
-    monkeypatch.setattr(ray_cluster, "_listening", lambda ip, port: not (tmp_path / "head_fails").exists())
+
+    def listening(ip: str, port: int) -> bool:  # the head listens once its process has started (unless it fails)
+        started = calls.is_file() and "--head" in calls.read_text()
+        return started and not (tmp_path / "head_fails").exists()
+
+    monkeypatch.setattr(ray_cluster, "_listening", listening)
     state = SimpleNamespace(alive=1, join=True, connected=[], calls=calls, venv_bin=venv_bin, tmp_path=tmp_path)
 
     def nodes() -> list[dict]:  # a worker joins per poll once the workers' srun has started
@@ -198,7 +203,7 @@ def test_ray_cluster_starts_the_head_here_and_workers_on_the_other_nodes(fake_cl
 def test_ray_cluster_says_which_nodes_never_joined_and_stops_what_started(fake_cluster: SimpleNamespace) -> None:
     fake_cluster.join = False
     with pytest.raises(TimeoutError, match=r"1 of 3 nodes joined the Ray cluster at 10\.0\.0\.1:6379"):
-        ray_cluster.start_ray_cluster(timeout_s=0)
+        ray_cluster.start_ray_cluster(timeout_s=1)
     assert ray_cluster._head is None and ray_cluster._workers is None
 
 
