@@ -75,9 +75,9 @@ def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
 
 
 def test_rollouts_that_start_one_by_one_still_share_one_generate_call(tiny) -> None:
-    # No count of active rollouts: the batch starts once no request has come for batch_wait_s. Requests 0.3 s apart
-    # span 0.9 s, longer than the wait (0.6 s), and still make one batch: each arrival restarts the wait.
-    server = server_for(tiny, batch_wait_s=0.6)
+    # No count of active rollouts: the batch starts once no request has come for batch_wait_s. Requests 0.4 s apart
+    # span 1.2 s, longer than the wait (1 s), and still make one batch: each arrival restarts the wait.
+    server = server_for(tiny, batch_wait_s=1.0)
     chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 4}) for i in range(5)]
 
     async def run_all() -> int:
@@ -88,7 +88,7 @@ def test_rollouts_that_start_one_by_one_still_share_one_generate_call(tiny) -> N
             await asyncio.sleep(delay)
             await chat.chat([{"role": "user", "content": "Hi"}])
 
-        await asyncio.gather(*(one(0.3 * i, c) for i, c in enumerate(chats[1:])))
+        await asyncio.gather(*(one(0.4 * i, c) for i, c in enumerate(chats[1:])))
         return server.generate_calls - before
 
     assert asyncio.run(run_all()) == 1
