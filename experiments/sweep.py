@@ -110,6 +110,15 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
     return {j: states[j] for j in job_ids if j in states}
 
 
+def listed_state(job_id: str) -> str | None:
+    """The state of a job that SLURM still lists (squeue: queued, running, completing, requeued), else None. squeue
+    reads the controller, where sacct reads the accounting database, which lags behind it."""
+    if shutil.which("squeue") is None:
+        return None
+    out = subprocess.run(["squeue", "-h", "-r", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    return out.stdout.strip() or None
+
+
 def live_jobs(sweep_dir: Path) -> dict[int, dict[str, Any]]:
     """The recorded jobs of this sweep that SLURM still has queued or running, by run number."""
     jobs = submitted_jobs(sweep_dir)

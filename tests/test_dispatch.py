@@ -12,11 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.utils import JobReturn, JobStatus
+from submitit.core.utils import FailedJobError, UncompletedJobError
 
 from analysis.status import main as status_main
 from analysis.status import sweep_status
 from backends import ray_cluster
 from backends.trl.backend import last_complete_checkpoint
+from hydra_plugins.arl_launchers import slurm_launcher
+from hydra_plugins.arl_launchers.slurm_launcher import SlurmLauncher
 from tests.conftest import ROOT, launch
 
 QUICK = ["job._target_=tests.jobs.quick"]
@@ -122,6 +126,41 @@ def test_job_status_prints_what_analysis_status_prints(tmp_path: Path, capsys: p
     missing = launch(["job=status", f"job.sweep_dir={tmp_path / 'nothing'}"], tmp_path / "c", tmp_path)
     assert missing.returncode != 0
     assert f"job.sweep_dir={tmp_path / 'nothing'}: no such sweep directory" in missing.stdout + missing.stderr
+
+
+class FakeJob:
+    """A submitit job whose waits end as `outcomes` say: a JobReturn, or an error that `result()` raises."""
+
+    job_id = "7_0"
+
+    def __init__(self, *outcomes: JobReturn | Exception) -> None:
+        self.outcomes = list(outcomes)
+        self.watcher = SimpleNamespace(cleared=0)
+        self.watcher.clear = lambda: setattr(self.watcher, "cleared", self.watcher.cleared + 1)
+
+    def result(self) -> JobReturn:
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+def test_the_slurm_launcher_waits_again_for_a_job_that_squeue_still_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit read a requeued job's passing state as its end: squeue still lists it, so it is waited for again."""
+    monkeypatch.setattr(slurm_launcher, "listed_state", lambda job_id: "PENDING")
+    done = JobReturn(overrides=["seed=0"], status=JobStatus.COMPLETED, _return_value={"status": "completed"})
+    job = FakeJob(UncompletedJobError("has not produced any output (state: REQUEUE_HOLD)"), done)
+    assert SlurmLauncher._result(0, job, ["seed=0"]) is done
+    assert job.watcher.cleared == 1 and not job.outcomes
+
+
+def test_a_job_that_ended_without_a_result_is_a_failed_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(slurm_launcher, "listed_state", lambda job_id: None)
+    for error in (UncompletedJobError("has not produced any output (state: CANCELLED)"), FailedJobError("boom")):
+        failed = SlurmLauncher._result(0, FakeJob(error), ["seed=0"])
+        assert failed.status == JobStatus.FAILED and failed.overrides == ["seed=0"]
+        with pytest.raises(type(error)):  # what Hydra's sweeper raises once every run has returned
+            _ = failed.return_value
 
 
 def test_resume_skips_a_checkpoint_left_half_written(tmp_path: Path) -> None:

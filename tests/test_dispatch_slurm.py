@@ -60,15 +60,24 @@ def env_for(cache: Path, output: Path) -> dict[str, str]:
 
 
 def wait_for(
-    what: str, check: Callable[[], Any], sweep: subprocess.Popen[bytes] | None = None, timeout: float = 400
+    what: str,
+    check: Callable[[], Any],
+    sweep: subprocess.Popen[bytes] | None = None,
+    log: Path | None = None,
+    timeout: float = 400,
 ) -> Any:
-    """Poll `check` until it returns something true; fail (not hang) after `timeout` s or if the sweep ends first."""
+    """Poll `check` until it returns something true; fail (not hang) after `timeout` s or if the sweep ends first,
+    showing the end of the sweep's `log`."""
     deadline = time.monotonic() + timeout
+
+    def fail(why: str) -> None:
+        pytest.fail(why + (f"; the sweep's log ends:\n{log.read_text()[-4000:]}" if log and log.is_file() else ""))
+
     while not (value := check()):
         if sweep is not None and sweep.poll() is not None:
-            pytest.fail(f"the sweep ended (exit {sweep.returncode}) before {what}")
+            fail(f"the sweep ended (exit {sweep.returncode}) before {what}")
         if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what} after {timeout} s")
+            fail(f"gave up waiting for {what} after {timeout} s")
         time.sleep(0.5)
     return value
 
@@ -119,7 +128,7 @@ def slurm_sweep(
             [sys.executable, "launch.py", *args], cwd=ROOT, env=seen["env"], stdout=log_file, stderr=subprocess.STDOUT
         )
     try:
-        wait_for("the jobs to be submitted", lambda: len(submitted_jobs(sweep_dir)) == 4, sweep)
+        wait_for("the jobs to be submitted", lambda: len(submitted_jobs(sweep_dir)) == 4, sweep, log)
         jobs = submitted_jobs(sweep_dir)
         seen["first_status"] = statuses(sweep_dir)
 
@@ -132,9 +141,11 @@ def slurm_sweep(
                     interrupted.add(num)
             return interrupted == {0, 1}
 
-        wait_for("the first checkpoints of runs 0 and 1", interrupt, sweep)
-        wait_for("run 0 to be queued again", lambda: statuses(sweep_dir)[0] == "queued", sweep)
-        wait_for("run 1's interrupted summary", lambda: summary(sweep_dir / "1").get("status") == "interrupted", sweep)
+        wait_for("the first checkpoints of runs 0 and 1", interrupt, sweep, log)
+        wait_for("run 0 to be queued again", lambda: statuses(sweep_dir)[0] == "queued", sweep, log)
+        wait_for(
+            "run 1's interrupted summary", lambda: summary(sweep_dir / "1").get("status") == "interrupted", sweep, log
+        )
         seen["returncode"] = sweep.wait(timeout=600)
         seen["output"] = log.read_text()
         yield seen
@@ -220,3 +231,37 @@ def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
     assert len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 1
     assert (sweep_dir / "0" / "executions").read_text() == "1"
     assert json.loads((sweep_dir / "0" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    args = [
+        "-m",
+        "job._target_=tests.jobs.quick",
+        "+job.sleep_s=45",
+        "seed=0,1",
+        *SLURM,
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    with log.open("w") as log_file:
+        sweep = subprocess.Popen(
+            [sys.executable, "launch.py", *args],
+            cwd=ROOT,
+            env=env_for(tmp_path / "cache", tmp_path),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for("run 0 to start", lambda: (sweep_dir / "0" / "executions").is_file(), sweep, log)
+        subprocess.run(["scancel", submitted_jobs(sweep_dir)[0]["job_id"]], check=True, timeout=60)
+        returncode = sweep.wait(timeout=300)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    output = log.read_text()
+    assert returncode == 1, output[-3000:]  # the cancelled run fails the sweep...
+    assert summary(sweep_dir / "1")["status"] == "completed"  # ...once the other run has completed
+    assert "has not produced any output" in output  # submitit's error for the cancelled job, raised last by Hydra
+    assert statuses(sweep_dir) == {0: "failed", 1: "completed"}

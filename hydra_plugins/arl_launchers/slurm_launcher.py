@@ -5,6 +5,8 @@
 - Each submitted job is appended to `<sweep_dir>/jobs.jsonl`, which `python -m analysis.status <sweep_dir>` reads.
 - `hydra.launcher.wait=false` submits and returns: no process waits for the sweep.
 - A job of several nodes runs its run once, as task 0 on its first node (`srun_args`), and is waited for as such.
+- Waiting survives requeues (a job that SLURM still lists is waited for again), and a job that ends without a result
+  (cancelled, killed for memory) is a failed run: the others are still waited for, then the sweep exits non-zero.
 
 (Hydra loads launchers only from the `hydra_plugins` package, hence this folder.)
 """
@@ -21,7 +23,7 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf, open_dict
 
-from experiments.sweep import completed_run, live_jobs, record_jobs
+from experiments.sweep import completed_run, listed_state, live_jobs, record_jobs
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         folder = self.params["submitit_folder"]
         live = live_jobs(sweep_dir)
         returns: dict[int, JobReturn] = {}
-        waiting: dict[int, Any] = {}
+        waiting: dict[int, tuple[Any, list[str]]] = {}
         todo: list[tuple[int, list[str]]] = []
         for num, overrides in enumerate(job_overrides, initial_job_idx):
             overrides = list(overrides)
@@ -55,7 +57,7 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             elif num in live:
                 job = live[num]
                 log.info(f"\t#{num} : {shown} : job {job['job_id']} is still queued or running, not submitted")
-                waiting[num] = submitit.SlurmJob(folder=job["folder"], job_id=job["job_id"], tasks=[0])
+                waiting[num] = (submitit.SlurmJob(folder=job["folder"], job_id=job["job_id"], tasks=[0]), overrides)
             else:
                 log.info(f"\t#{num} : {shown}")
                 todo.append((num, overrides))
@@ -72,18 +74,38 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
                     for (num, ov), job in zip(todo, jobs, strict=True)
                 ],
             )
-            waiting |= {num: job for (num, _), job in zip(todo, jobs, strict=True)}
+            waiting |= {num: (job, ov) for (num, ov), job in zip(todo, jobs, strict=True)}
             log.info(f"Submitted {len(jobs)} job(s) to SLURM: {', '.join(job.job_id for job in jobs)}")
         if not self.wait:
             log.info(
                 f"Not waiting (hydra.launcher.wait=false); the sweep's state: python -m analysis.status {sweep_dir}"
             )
             return list(returns.values())
-        for num, job in waiting.items():
+        for num, (job, overrides) in waiting.items():
             # Task 0 runs the run (`srun_args`); submitit counts nodes x tasks_per_node tasks and would wait for
             # results that the other nodes' tasks never write.
-            returns[num] = job.task(0).result()
+            returns[num] = self._result(num, job.task(0), overrides)
         return [returns[num] for num in sorted(returns)]
+
+    @staticmethod
+    def _result(num: int, job: Any, overrides: list[str]) -> JobReturn:
+        """The run's JobReturn once its job has ended. submitit decides that a job ended from a `sacct` reading taken
+        now and then; a job requeued (by an operator, a node failure or its own preemption) passes through states
+        that read as the end, so while squeue still lists the job, it is waited for again. A job that ended without
+        a result is a failed run (the error names the job and the end of its stderr), not the end of the wait."""
+        from submitit.core.utils import FailedJobError, UncompletedJobError
+
+        while True:
+            try:
+                return job.result()
+            except UncompletedJobError as error:
+                state = listed_state(job.job_id)
+                if state is None:
+                    return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=error)
+                log.warning(f"\t#{num} : job {job.job_id} is {state} again (requeued): waiting for it")
+                job.watcher.clear()  # submitit cached the job as finished
+            except FailedJobError as error:  # the job's own process failed outside the run (Hydra catches the run's)
+                return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=error)
 
     def _run_dir(self, num: int, overrides: list[str]) -> Path:
         """Where run `num` writes, as Hydra's run_job computes it (sweep dir / subdir)."""
