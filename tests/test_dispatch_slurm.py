@@ -59,6 +59,14 @@ def env_for(cache: Path, output: Path) -> dict[str, str]:
     return os.environ | {"ARL_CACHE_DIR": str(cache), "ARL_OUTPUT_DIR": str(output), "HF_HUB_OFFLINE": "1"}
 
 
+def start_sweep(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """`python launch.py ARGS` in the background, its output in `log`."""
+    with log.open("w") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "launch.py", *args], cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+
+
 def wait_for(
     what: str,
     check: Callable[[], Any],
@@ -123,10 +131,7 @@ def slurm_sweep(
     args = ["-m", *SWEEP, *SLURM, f"hydra.sweep.dir={sweep_dir}"]
     seen: dict[str, Any] = {"sweep_dir": sweep_dir, "args": args, "env": env_for(cache_dir, out)}
     log = out / "sweep.log"
-    with log.open("w") as log_file:
-        sweep = subprocess.Popen(
-            [sys.executable, "launch.py", *args], cwd=ROOT, env=seen["env"], stdout=log_file, stderr=subprocess.STDOUT
-        )
+    sweep = start_sweep(args, seen["env"], log)
     try:
         wait_for("the jobs to be submitted", lambda: len(submitted_jobs(sweep_dir)) == 4, sweep, log)
         jobs = submitted_jobs(sweep_dir)
@@ -245,14 +250,7 @@ def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
         *SLURM,
         f"hydra.sweep.dir={sweep_dir}",
     ]
-    with log.open("w") as log_file:
-        sweep = subprocess.Popen(
-            [sys.executable, "launch.py", *args],
-            cwd=ROOT,
-            env=env_for(tmp_path / "cache", tmp_path),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
+    sweep = start_sweep(args, env_for(tmp_path / "cache", tmp_path), log)
     try:
         wait_for("run 0 to start", lambda: (sweep_dir / "0" / "executions").is_file(), sweep, log)
         subprocess.run(["scancel", submitted_jobs(sweep_dir)[0]["job_id"]], check=True, timeout=60)
