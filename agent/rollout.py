@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.llm import ChatModel
 from agent.trajectory import Trajectory
+
+# Rewards run here, not in asyncio's default executor: `asyncio.run` joins that one on exit, so a reward that hangs past
+# its timeout would hold the whole step. A reward that never returns keeps one of these threads.
+_REWARD_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reward")
 
 
 class Agent(Protocol):
@@ -20,14 +25,20 @@ class Agent(Protocol):
 Reward = Callable[[dict[str, Any], Trajectory], float | None]
 
 
+AGENT_ERROR, REWARD_ERROR = "agent_error", "reward_error"
+
+
 @dataclass
 class Rollout:
-    """A task, what the agent did with it, and the score it got."""
+    """A task, what the agent did with it, and the score it got. `failure` says why the rollout cannot be trained on:
+    the agent failed (`agent_error`: it raised, or its endpoint refused a call) or its reward did (`reward_error`:
+    raised or timed out; the reward is then None)."""
 
     task: dict[str, Any]
     trajectory: Trajectory
     reward: float | None
     error: str | None
+    failure: str | None = None
 
     def record(self) -> dict[str, Any]:
         """The line written to `records.jsonl` / `samples/*.jsonl`."""
@@ -41,6 +52,7 @@ class Rollout:
             "reward": self.reward,
             "turns": self.trajectory.turns,
             "error": self.error,
+            "failure": self.failure,
             "messages": self.trajectory.messages,
         }
 
@@ -53,8 +65,14 @@ async def run_rollouts(
     *,
     concurrency: int | None = None,
     on_finished: Callable[[int], None] | None = None,
+    reward_timeout_s: float | None = None,
 ) -> list[Rollout]:
-    """Run `agent` on every task (at most `concurrency` at once) and score each; one failure never stops the rest."""
+    """Run `agent` on every task (at most `concurrency` at once) and score each; one failure never stops the rest.
+
+    A rollout whose agent failed is still scored (evaluation counts it, usually as 0) and marked `agent_error`. A
+    reward that raises or takes longer than `reward_timeout_s` gives None (missing, never a silent 0), marked
+    `reward_error`; its thread is left to finish on its own.
+    """
     semaphore = asyncio.Semaphore(concurrency or len(tasks) or 1)
 
     async def one(index: int, task: dict[str, Any]) -> Rollout:
@@ -67,11 +85,18 @@ async def run_rollouts(
                 if on_finished is not None:
                     on_finished(index)
         error = trajectory.error
+        failure = None if error is None else AGENT_ERROR
+        score: float | None
         try:  # in a thread: a reward may wait on a judge model while the other rollouts go on
-            score = await asyncio.to_thread(reward, task, trajectory)
+            scoring = asyncio.get_running_loop().run_in_executor(_REWARD_THREADS, reward, task, trajectory)
+            score = await asyncio.wait_for(scoring, reward_timeout_s)
+        except TimeoutError:
+            score, failure = None, failure or REWARD_ERROR
+            error = error or f"reward timed out after {reward_timeout_s} s"
         except Exception as exc:
-            score, error = 0.0, error or f"reward failed: {type(exc).__name__}: {exc}"
-        return Rollout(task=task, trajectory=trajectory, reward=score, error=error)
+            score, failure = None, failure or REWARD_ERROR
+            error = error or f"reward failed: {type(exc).__name__}: {exc}"
+        return Rollout(task=task, trajectory=trajectory, reward=score, error=error, failure=failure)
 
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
@@ -109,7 +134,16 @@ async def evaluate(
     *,
     concurrency: int | None = None,
     on_finished: Callable[[int], None] | None = None,
+    reward_timeout_s: float | None = None,
 ) -> tuple[EvalSummary, list[Rollout]]:
     start = time.monotonic()
-    rollouts = await run_rollouts(agent, tasks, chat_for, metric, concurrency=concurrency, on_finished=on_finished)
+    rollouts = await run_rollouts(
+        agent,
+        tasks,
+        chat_for,
+        metric,
+        concurrency=concurrency,
+        on_finished=on_finished,
+        reward_timeout_s=reward_timeout_s,
+    )
     return EvalSummary.of(rollouts, time.monotonic() - start), rollouts

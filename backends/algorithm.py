@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How the sampler's log-probs correct the update for the engine/trainer mismatch (truncated importance sampling):
+# per token or per sequence; ratios above the cap are clipped to it (truncate) or weighted 0 (mask).
+IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # TRL's, each with a verl loss_agg_mode
+
 
 @dataclass
 class GRPO:
@@ -27,8 +32,21 @@ class GRPO:
     val_every: int = 50
     max_grad_norm: float = 1.0
     loss_type: str = "dapo"
+    is_correction: str = "token_truncate"
+    is_cap: float = 2.0
+    reward_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"algorithm.loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
+        if self.is_correction not in IS_CORRECTIONS:
+            raise ValueError(
+                f"algorithm.is_correction must be one of {', '.join(IS_CORRECTIONS)}; got {self.is_correction!r}"
+            )
+        if self.is_cap <= 1.0:
+            raise ValueError(f"algorithm.is_cap must be > 1, got {self.is_cap}")
+        if self.reward_timeout_s <= 0:
+            raise ValueError(f"algorithm.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
         for key in ("group_size", "tasks_per_step", "micro_batch_size", "max_prompt_length", "max_response_length"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 class Completion:
     token_ids: list[int]
     finish_reason: str  # "stop" (ended with an eos id) or "length"
-    logprobs: list[float] | None = None  # log p of each token under the sampling temperature (StaticGenerate)
+    # log p of each token under logits / temperature (logits as they are when greedy), what the trainer computes
+    logprobs: list[float] | None = None
 
 
 class Engine(Protocol):
@@ -67,7 +68,8 @@ def _finish(ids: list[int], max_new: int, eos_ids: set[int], logprobs: list[floa
 
 
 class HFGenerate:
-    """`model.generate` on one left-padded batch (dynamic cache, the model's attention implementation)."""
+    """`model.generate` on one left-padded batch (dynamic cache, the model's attention implementation); each sampled
+    token's log-probability from the step's raw logits scaled by the temperature."""
 
     name = "hf"
 
@@ -95,15 +97,44 @@ class HFGenerate:
         sampling: dict[str, Any] = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
         if temperature <= 0:
             sampling = {"do_sample": False}
-        generated = model.generate(
+        recorder = _LogprobRecorder(temperature if temperature > 0 else 1.0)
+        tokens = model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),
             max_new_tokens=max(max_new_tokens),
             pad_token_id=pad_id,
             eos_token_id=sorted(eos_ids),
+            repetition_penalty=1.0,  # sample from the policy itself, whatever the checkpoint's generation_config says
+            logits_processor=LogitsProcessorList([recorder]),
             **sampling,
-        )[:, width:].tolist()
-        return [_finish(ids, n, eos_ids) for ids, n in zip(generated, max_new_tokens, strict=True)]
+        )[:, width:]
+        logprobs = recorder.finish(tokens[:, -1]).tolist()
+        return [
+            _finish(ids, n, eos_ids, lps) for ids, n, lps in zip(tokens.tolist(), max_new_tokens, logprobs, strict=True)
+        ]
+
+
+class _LogprobRecorder(LogitsProcessor):
+    """Records log p(token) under logits / temperature for each sampled token, one step late (a processor sees the
+    logits before the token is drawn, and the drawn token at the next step). Runs before transformers' warpers, so it
+    sees the model's logits; keeps one step's row per sequence, not the whole history `output_logits` would."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []
+        self.previous: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, input_ids[:, -1:])[:, 0])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(batch, steps) log-probs, given the last step's tokens."""
+        assert self.previous is not None, "generate ran no step"
+        self.steps.append(self.previous.gather(1, last_tokens[:, None])[:, 0])
+        return torch.stack(self.steps, dim=1).cpu()
 
 
 @dataclass

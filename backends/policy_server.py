@@ -4,29 +4,26 @@ This plays, for the embedded backend, the part agent-lightning's LLM proxy plays
 like to any endpoint, and the trainer reads back exactly the tokens the model saw and produced.
 
 - Each rollout gets its own base URL, `/rollouts/<id>/v1`, so calls are attributed without the agent knowing.
+- Token in, token out (`models/chat.py`): a rollout's first prompt is its messages rendered by the chat template;
+  when a later call's messages are the previous call's, the reply this server gave, and new messages, its prompt is
+  the previous prompt + the ids sampled for it + the template's delta for the new messages only. A call whose
+  messages do not extend the conversation that way (the agent rewrote or dropped a message) is answered from a fresh
+  rendering, and its rollout is marked `inexact`: its sample cannot be built exactly.
 - Requests from concurrent rollouts are generated together: a batch starts when every active rollout is waiting on
   the model (or once no new request has come for `batch_wait_s`), so the agents of one training step share one
   `generate` call per turn.
 - Lengths are per rollout, as the trainer sees them: the first prompt is at most `max_prompt_tokens` (else HTTP 400),
-  and everything after it (all replies, and the text added between turns) at most `max_response_tokens`. A call made
-  after the budget is spent gets an empty reply with `finish_reason="length"`, and so does a later call that does not
-  continue the rollout's sequence (the model emitted text its chat template cannot reproduce) and is too long to
-  start a new one.
-- Tools: a request's `tools` go into the chat template, and a reply in the model's tool-call format (hermes:
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) comes back as OpenAI `tool_calls`; the assistant's
-  tool calls in later requests are rendered back by the same template, so the token sequence stays continuous.
-- When a call's messages extend the previous call of the same rollout (previous prompt, the reply, new messages),
-  its prompt ids are the previous prompt and reply ids followed by the tokens of the new text only. The model thus
-  continues from exactly the tokens it sampled (no re-tokenization drift), and a rollout forms one token sequence.
-- The tokens themselves come from a generation engine (`backends/generation.py`): `model.generate`, or a static KV
-  cache decode loop replayed as CUDA graphs.
+  and everything after it (all replies, and the tokens added between turns) at most `max_response_tokens`. A call made
+  after that budget is spent gets an empty reply with `finish_reason="length"` that the model never sampled, and its
+  rollout is marked `overflow`.
+- Replies: a leading `<think>` block comes back as `reasoning_content`; with `tools` in the request, tool calls in the
+  model's format come back as OpenAI `tool_calls`. Parsing reads the sampled text; nothing is rendered back.
+- The tokens, and each one's log-probability, come from a generation engine (`backends/generation.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,7 +38,8 @@ from pydantic import BaseModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent.llm import OpenAIChat
-from backends.generation import Engine, HFGenerate
+from backends.generation import Completion, Engine, HFGenerate
+from models.chat import ChatFormat, same_message
 
 DEFAULT_ROLLOUT = "default"
 
@@ -58,12 +56,15 @@ class ChatRequest(BaseModel):
 
 @dataclass
 class CallRecord:
-    """One LLM call: the exact token ids in and out, and how many leading prompt ids continue the previous call."""
+    """One LLM call: the exact token ids in and out, each sampled token's log-probability, and whether the prompt is
+    the previous call's prompt and completion followed by new tokens (`continues`)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
-    reused_prefix: int
+    logprobs: list[float] | None
+    continues: bool
     finish_reason: str
+    sampled: bool = True  # False: the reply was empty because the rollout's budget was spent; nothing was sampled
 
 
 @dataclass
@@ -72,14 +73,14 @@ class _Pending:
     max_new_tokens: int
     temperature: float
     top_p: float
-    future: asyncio.Future[tuple[list[int], str]]
+    future: asyncio.Future[Completion]
 
 
 @dataclass
 class _RolloutState:
     records: list[CallRecord] = field(default_factory=list)
-    # Text of the last call's prompt followed by its reply, as the chat template would render them.
-    last_text: str = ""
+    # The conversation as the last call left it: its request's messages and the reply this server gave.
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 class PolicyServer:
@@ -95,10 +96,12 @@ class PolicyServer:
         max_batch_size: int = 256,
         batch_wait_s: float = 0.02,
         engine: Engine | None = None,
+        chat_format: ChatFormat | None = None,
     ) -> None:
         self.model = model
         self.engine = engine or HFGenerate()
         self.tokenizer = tokenizer
+        self.chat_format = chat_format or ChatFormat(tokenizer)
         self.max_prompt_tokens = max_prompt_tokens
         self.max_response_tokens = max_response_tokens
         self.max_batch_size = max_batch_size
@@ -160,21 +163,21 @@ class PolicyServer:
 
     async def _complete(self, rollout_id: str, request: ChatRequest) -> dict[str, Any]:
         state = self.rollouts.setdefault(rollout_id, _RolloutState())
-        prompt_ids, reused = self._prompt_ids(state, request.messages, request.tools)
-        too_long = reused == 0 and len(prompt_ids) > self.max_prompt_tokens
-        if too_long and not state.records:
+        prompt_ids, continues = self._prompt_ids(state, request.messages, request.tools)
+        if not state.records and len(prompt_ids) > self.max_prompt_tokens:
             raise HTTPException(
                 status_code=400,
                 detail=f"prompt of {len(prompt_ids)} tokens is longer than the limit of {self.max_prompt_tokens}",
             )
-        # A rollout's response budget covers all its turns: what it generated and what was added between turns.
-        first_prompt = state.records[0].prompt_ids if reused else prompt_ids
-        budget = self.max_response_tokens - (len(prompt_ids) - len(first_prompt))
-        if too_long:  # a later call that does not continue the rollout's sequence (its sample ends before this
-            budget = 0  # call) and is too long to start one: it ends the rollout like a spent budget
+        # A rollout's response budget covers all its turns: what it generated and what was added between turns. A
+        # call that starts a new sequence is held to the same limits as a first call.
+        if continues:
+            budget = self.max_response_tokens - (len(prompt_ids) - len(state.records[0].prompt_ids))
+        else:
+            budget = self.max_response_tokens if len(prompt_ids) <= self.max_prompt_tokens else 0
         wanted = request.max_completion_tokens or request.max_tokens or self.max_response_tokens
         if budget <= 0:  # the rollout has used its budget: answer at once, as a generation cut by length
-            completion_ids, finish_reason = [], "length"
+            completion, sampled = Completion([], "length", []), False
         else:
             loop = asyncio.get_running_loop()
             pending = _Pending(
@@ -182,13 +185,22 @@ class PolicyServer:
             )
             self._pending.append(pending)
             self._maybe_flush()
-            completion_ids, finish_reason = await pending.future
-        text = self.tokenizer.decode(completion_ids, skip_special_tokens=True)
-        state.records.append(CallRecord(prompt_ids, completion_ids, reused, finish_reason))
-        rendered_prompt = self._render(request.messages, request.tools)
-        state.last_text = rendered_prompt + self.tokenizer.decode(completion_ids, skip_special_tokens=False)
-        message = parse_tool_calls(text) if request.tools else {"role": "assistant", "content": text}
-        if "tool_calls" in message and finish_reason == "stop":
+            completion, sampled = await pending.future, True
+        state.records.append(
+            CallRecord(
+                prompt_ids,
+                completion.token_ids,
+                completion.logprobs,
+                continues,
+                completion.finish_reason,
+                sampled,
+            )
+        )
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        message = self.chat_format.reply(text, tools=bool(request.tools))
+        state.messages = [*request.messages, message]
+        finish_reason = completion.finish_reason
+        if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -198,26 +210,27 @@ class PolicyServer:
             "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
             "usage": {
                 "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(completion_ids),
-                "total_tokens": len(prompt_ids) + len(completion_ids),
+                "completion_tokens": len(completion.token_ids),
+                "total_tokens": len(prompt_ids) + len(completion.token_ids),
             },
         }
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-        return self.tokenizer.apply_chat_template(
-            [for_template(m) for m in messages], tools=tools, tokenize=False, add_generation_prompt=True
-        )
-
     def _prompt_ids(
         self, state: _RolloutState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> tuple[list[int], int]:
-        text = self._render(messages, tools)
-        if state.records and state.last_text and text.startswith(state.last_text):
-            last = state.records[-1]
-            prefix = last.prompt_ids + last.completion_ids
-            new_ids = self.tokenizer(text[len(state.last_text) :], add_special_tokens=False)["input_ids"]
-            return prefix + new_ids, len(prefix)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"], 0
+    ) -> tuple[list[int], bool]:
+        """Token in, token out: the previous prompt, its sampled ids and the delta of the new messages, when
+        `messages` extend the rollout's conversation; otherwise a fresh rendering (and False)."""
+        kept = state.messages
+        extends = (
+            bool(state.records)
+            and len(messages) >= len(kept)
+            and all(same_message(sent, held) for sent, held in zip(messages, kept, strict=False))
+        )
+        if not extends:
+            return self.chat_format.prompt_ids(messages, tools), False
+        last = state.records[-1]
+        delta = self.chat_format.continuation_ids(messages[len(kept) :], tools, last.completion_ids)
+        return last.prompt_ids + last.completion_ids + delta, True
 
     # ---- batching --------------------------------------------------------------------------------------------------
     def _maybe_flush(self) -> None:
@@ -254,9 +267,9 @@ class PolicyServer:
             self._maybe_flush()
 
     @torch.no_grad()
-    def _generate(self, batch: list[_Pending]) -> list[tuple[list[int], str]]:
+    def _generate(self, batch: list[_Pending]) -> list[Completion]:
         """Generate for a batch, one `generate` call per distinct sampling setting."""
-        results: list[tuple[list[int], str] | None] = [None] * len(batch)
+        results: list[Completion | None] = [None] * len(batch)
         groups: dict[tuple[float, float], list[int]] = {}
         for i, item in enumerate(batch):
             groups.setdefault((item.temperature, item.top_p), []).append(i)
@@ -272,9 +285,9 @@ class PolicyServer:
         self.generate_calls += len(groups)
         return [r for r in results if r is not None]
 
-    def _generate_group(self, items: list[_Pending], temperature: float, top_p: float) -> list[tuple[list[int], str]]:
+    def _generate_group(self, items: list[_Pending], temperature: float, top_p: float) -> list[Completion]:
         eos_ids = set(_as_list(self.model.generation_config.eos_token_id) or [self.tokenizer.eos_token_id])
-        completions = self.engine.generate(
+        return self.engine.generate(
             self.model,
             [item.prompt_ids for item in items],
             [item.max_new_tokens for item in items],
@@ -283,64 +296,9 @@ class PolicyServer:
             eos_ids=eos_ids,
             pad_id=self.tokenizer.pad_token_id,
         )
-        return [(c.token_ids, c.finish_reason) for c in completions]
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)
-
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> dict[str, Any]:
-    """An assistant message from generated text: hermes-style `<tool_call>` blocks become OpenAI `tool_calls`.
-
-    A block that is not a JSON object with a `name` and object `arguments` stays in the text, where the agent sees it.
-    """
-    calls, kept, last = [], [], 0
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-            name, arguments = call["name"], call.get("arguments", {})
-            if not isinstance(name, str) or not isinstance(arguments, dict):
-                raise TypeError("not a tool call")
-        except (ValueError, KeyError, TypeError):
-            continue
-        kept.append(text[last : match.start()])
-        last = match.end()
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-            }
-        )
-    if not calls:
-        return {"role": "assistant", "content": text}
-    content = ("".join(kept) + text[last:]).strip()
-    return {"role": "assistant", "content": content or None, "tool_calls": calls}
-
-
-def for_template(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI message -> what chat templates expect: tool-call arguments as objects, no None content."""
-    out = dict(message)
-    if out.get("content") is None:
-        out["content"] = ""
-    if out.get("tool_calls"):
-        out["tool_calls"] = [
-            {**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
-            for c in out["tool_calls"]
-        ]
-    return out
-
-
-def _arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments

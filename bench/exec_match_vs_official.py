@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.exec_match_suite import CASES, build_database
-from rewards.exec_match import _gold_result, execution_match
+from rewards.exec_match import clear_gold_cache, execution_match
 
 
 def main() -> int:
@@ -56,7 +56,7 @@ def main() -> int:
     def timed(score) -> float:
         best = float("inf")
         for _ in range(args.repeats):
-            _gold_result.cache_clear()  # each repeat starts cold, as a fresh training step on new tasks would
+            clear_gold_cache()  # each repeat starts cold, as a fresh training step on new tasks would
             start = time.perf_counter()
             for pred, gold in workload:
                 score(pred, gold, db)

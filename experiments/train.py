@@ -29,7 +29,10 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     validations = [m for m in run_dir.metrics() if "val/accuracy" in m]
     return results | {
         "steps": len(steps),
-        "reward_per_step": [round(m["train/reward_mean"], 4) for m in steps],
+        # None: a step whose rollouts were all excluded (see rollout/excluded_*_rate)
+        "reward_per_step": [
+            None if m["train/reward_mean"] is None else round(m["train/reward_mean"], 4) for m in steps
+        ],
         "val_accuracy_before": validations[0]["val/accuracy"] if validations else None,
         "val_accuracy_after": validations[-1]["val/accuracy"] if len(validations) > 1 else None,
     }

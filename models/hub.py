@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from models.chat import TOOL_CALL_FORMATS, ChatFormat
+
 
 @dataclass
 class HubModel:
@@ -21,10 +23,12 @@ class HubModel:
     tool_call_format: str
     dtype: str = "auto"
     attn_implementation: str = "sdpa"
+    enable_thinking: bool | None = None  # Qwen3's thinking switch, passed to the chat template (None: its default)
 
     def __post_init__(self) -> None:
         if not (self.hub_id or self.path):
             raise ValueError("model.hub_id or model.path must be set")
+        check_tool_call_format(self.tool_call_format)
         if self.context_length <= 0:
             raise ValueError(f"model.context_length must be > 0, got {self.context_length}")
 
@@ -49,11 +53,21 @@ class HubModel:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
+    def chat_format(self, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
+        """How prompts are rendered and replies read for this model (token in, token out across turns)."""
+        kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
+        return ChatFormat(tokenizer, self.tool_call_format, kwargs)
+
     def load_model(self, source: str, device: str) -> PreTrainedModel:
         dtype = _resolve_dtype(self.dtype, device)
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=self.attn_implementation, local_files_only=_offline()
         ).to(device)
+
+
+def check_tool_call_format(name: str) -> None:
+    if name not in TOOL_CALL_FORMATS:
+        raise ValueError(f"model.tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}; got {name!r}")
 
 
 def _offline() -> bool:

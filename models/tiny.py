@@ -11,26 +11,54 @@ import json
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from models.hub import HubModel
+from models.chat import chat_template
+from models.hub import HubModel, check_tool_call_format
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BUILD_VERSION = 1
-
-
-def qwen_chat_template() -> str:
-    """Qwen2.5's chat template, as shipped inside TRL (TRL recognises it for assistant-only loss and tool parsing)."""
-    return resources.files("trl").joinpath("chat_templates/qwen2_5.jinja").read_text(encoding="utf-8")
+BUILD_VERSION = 2
 
 
-def train_tokenizer(corpus_texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with digits split one by one, so numbers in SQL and results tokenize uniformly."""
+@dataclass(frozen=True)
+class _Tokens:
+    """The tokens a template family's tokenizer has: special (control) tokens, its eos, its pad, and the plain added
+    tokens its models emit as text (Qwen's tool-call and thinking tags, which `skip_special_tokens` keeps)."""
+
+    special: tuple[str, ...]
+    eos: str
+    pad: str
+    added: tuple[str, ...] = ()
+
+
+_QWEN = _Tokens(
+    ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    eos="<|im_end|>",
+    pad="<|endoftext|>",
+    added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+)
+_LLAMA3 = _Tokens(
+    (
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|finetune_right_pad_id|>",
+    ),
+    eos="<|eot_id|>",
+    pad="<|finetune_right_pad_id|>",
+)
+TEMPLATE_TOKENS = {"qwen25": _QWEN, "qwen3": _QWEN, "llama3": _LLAMA3}
+
+
+def train_tokenizer(corpus_texts: list[str], vocab_size: int, template: str = "qwen25") -> PreTrainedTokenizerFast:
+    """Byte-level BPE with digits split one by one, so numbers in SQL and results tokenize uniformly; the special
+    and added tokens of `template`'s model family, and that template."""
+    tokens = TEMPLATE_TOKENS[template]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -38,15 +66,18 @@ def train_tokenizer(corpus_texts: list[str], vocab_size: int) -> PreTrainedToken
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(tokens.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus_texts, trainer)
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in tokens.added])
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
+        tokenizer_object=tokenizer, eos_token=tokens.eos, pad_token=tokens.pad, padding_side="left"
     )
-    fast.chat_template = qwen_chat_template()
+    if template == "llama3":
+        fast.bos_token = "<|begin_of_text|>"
+    fast.chat_template = chat_template(template)
     return fast
 
 
@@ -62,8 +93,11 @@ class TinyModel(HubModel):
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     init_seed: int = 0
+    chat_template: str = "qwen25"
 
     def __post_init__(self) -> None:
+        chat_template(self.chat_template)  # names the key when the template is unknown
+        check_tool_call_format(self.tool_call_format)
         if self.context_length <= 0:
             raise ValueError(f"model.context_length must be > 0, got {self.context_length}")
         if self.hidden_size % self.num_attention_heads:
@@ -85,8 +119,8 @@ class TinyModel(HubModel):
         return str(target)
 
     def build(self, target: Path, corpus_texts: list[str]) -> None:
-        tokenizer = train_tokenizer(corpus_texts, self.vocab_size)
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        tokenizer = train_tokenizer(corpus_texts, self.vocab_size, self.chat_template)
+        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
         config = Qwen3Config(
             vocab_size=len(tokenizer),
             hidden_size=self.hidden_size,
@@ -97,13 +131,13 @@ class TinyModel(HubModel):
             head_dim=self.hidden_size // self.num_attention_heads,
             max_position_embeddings=self.context_length,
             tie_word_embeddings=True,
-            eos_token_id=im_end,
+            eos_token_id=eos,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
         )
         torch.manual_seed(self.init_seed)
         model = Qwen3ForCausalLM(config)
-        model.generation_config = GenerationConfig(eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id)
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
         model.save_pretrained(staging)

@@ -10,10 +10,10 @@ stopped inside SQLite at its time limit and can never change the database; and t
 from __future__ import annotations
 
 import random
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -74,10 +74,31 @@ def results_match(result1: list[tuple], result2: list[tuple], order_matters: boo
     return False
 
 
-@lru_cache(maxsize=4096)
+_GOLD_CACHE_SIZE = 4096
+_gold_cache: dict[tuple[str, str, int, float], SQLResult] = {}
+_gold_lock = threading.Lock()  # rewards are scored in threads, concurrently
+
+
+def clear_gold_cache() -> None:
+    with _gold_lock:
+        _gold_cache.clear()
+
+
 def _gold_result(db_path: str, gold_sql: str, mtime_ns: int, timeout_s: float) -> SQLResult:
-    del mtime_ns  # part of the cache key only: a changed database is a new entry
-    return run_query(db_path, gold_sql, timeout_s=timeout_s, max_rows=_MAX_ROWS)
+    """The gold query's result, cached per (database, its mtime, query, time limit) only when it ran: a timeout or
+    error (a loaded machine, a locked file) is tried again next time rather than zeroing the task for the run."""
+    key = (db_path, gold_sql, mtime_ns, timeout_s)
+    with _gold_lock:
+        cached = _gold_cache.get(key)
+    if cached is not None:
+        return cached
+    result = run_query(db_path, gold_sql, timeout_s=timeout_s, max_rows=_MAX_ROWS)
+    if result.ok:
+        with _gold_lock:
+            if len(_gold_cache) >= _GOLD_CACHE_SIZE:
+                _gold_cache.pop(next(iter(_gold_cache)))  # the oldest entry
+            _gold_cache[key] = result
+    return result
 
 
 def execution_match(predicted_sql: str, gold_sql: str, db_path: str | Path, *, timeout_s: float = 2.0) -> float:

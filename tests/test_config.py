@@ -94,6 +94,12 @@ def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shorten
         (["data=spider", "data.spider_dir=/no/such/dir"], "data.spider_dir"),
         (["data=spider", "data.spider_dir=null"], "data.spider_dir"),
         (["model=qwen7b", "model.path=/no/such/model"], "model.path"),
+        (["model.chat_template=qwen9"], "model.chat_template"),
+        (["model=qwen3_0_6b", "model.tool_call_format=xml"], "model.tool_call_format"),
+        (["algorithm.is_correction=always"], "algorithm.is_correction"),
+        (["algorithm.is_cap=0.5"], "algorithm.is_cap"),
+        (["algorithm.reward_timeout_s=0"], "algorithm.reward_timeout_s"),
+        (["algorithm.loss_type=bogus"], "algorithm.loss_type"),
     ],
 )
 def test_bad_values_name_their_key(overrides: list[str], key: str) -> None:

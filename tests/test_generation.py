@@ -18,7 +18,7 @@ from trl.trainer.utils import selective_log_softmax
 from agent.llm import OpenAIChat
 from backends.generation import HFGenerate, StaticGenerate, make_engine
 from backends.policy_server import PolicyServer
-from backends.trl.rollouts import flatten
+from backends.trl.rollouts import Sample, flatten
 from experiments.config import ConfigError, build_components
 from tests.conftest import micro_tiny
 
@@ -150,7 +150,9 @@ def rollout_samples(tiny, engine) -> list:
 
     asyncio.run(run_all())
     assert server.generate_calls == 2
-    return [flatten(server.pop_records(f"r{i}"), 48, tokenizer.pad_token_id) for i in range(len(questions))]
+    samples = [flatten(server.pop_records(f"r{i}"), 48) for i in range(len(questions))]
+    assert all(isinstance(s, Sample) for s in samples), samples
+    return samples
 
 
 def test_rollouts_give_the_same_samples_and_loss_masks_with_either_engine(tiny) -> None:
@@ -160,6 +162,11 @@ def test_rollouts_give_the_same_samples_and_loss_masks_with_either_engine(tiny) 
     assert [s.env_mask for s in fast] == [s.env_mask for s in plain]
     assert [s.prompt_ids for s in fast] == [s.prompt_ids for s in plain]
     assert all(0 in s.env_mask and 1 in s.env_mask for s in fast)  # model turns trained, the added text masked
+    # both engines report each sampled token's log-probability, and agree on it (CPU float32)
+    for a, b in zip(fast, plain, strict=True):
+        assert len(a.logprobs) == len(b.logprobs) == len(a.completion_ids)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        assert all(lp < 0 for lp, m in zip(a.logprobs, a.env_mask, strict=True) if m == 1)
 
 
 def test_engine_choice_follows_the_device_and_bad_names_fail_at_config_time() -> None:

@@ -182,34 +182,3 @@ def test_eval_accuracy_follows_the_answers(answers: str, med_qa_dir: Path, cache
     assert summary["accuracy"] == (1.0 if answers == "gold" else 0.0)
     record = json.loads((run_dir / "eval" / "records.jsonl").read_text().splitlines()[0])
     assert record["answer"] and record["final_sql"]
-
-
-# ---- through the trainer's policy server ---------------------------------------------------------------------------
-def test_tool_calls_through_the_policy_server_form_one_sequence(agent: MedSQLAgent, med_qa_dir: Path) -> None:
-    """The policy server turns generated `<tool_call>` text into OpenAI tool calls, and the SDK's next request renders
-    back to exactly the tokens the model produced: the rollout is one continuous sample, tool output masked."""
-    from backends.policy_server import PolicyServer
-    from backends.trl.rollouts import flatten
-    from tests.conftest import micro_tiny
-
-    task = med_qa.load_split(med_qa_dir, "val")[0]
-    spec = micro_tiny(med_qa_dir.parent / "models")
-    source = spec.prepare([agent.instructions, task["question"], task["query"]] * 5)
-    model, tokenizer = spec.load_model(source, "cpu"), spec.load_tokenizer(source)
-    sql = json.dumps({"name": TOOL_NAME, "arguments": {"sql": task["query"]}}, ensure_ascii=False)
-    outputs = iter([f"<tool_call>\n{sql}\n</tool_call><|im_end|>", "The database says so.<|im_end|>"])
-
-    def fake_generate(items: list[Any], temperature: float, top_p: float) -> list[tuple[list[int], str]]:
-        return [(tokenizer(next(outputs), add_special_tokens=False)["input_ids"], "stop") for _ in items]
-
-    server = PolicyServer(model, tokenizer, max_prompt_tokens=4096, max_response_tokens=4096)
-    server._generate_group = fake_generate  # the model's sampling is not what this test is about
-    trajectory = asyncio.run(agent.run(task, server.chat_model("r0", {"temperature": 1.0})))
-    assert trajectory.error is None and trajectory.executions == 1 and trajectory.execution_errors == 0
-    assert trajectory.final_sql == task["query"] and trajectory.answer == "The database says so."
-    first, second = server.pop_records("r0")
-    assert second.reused_prefix == len(first.prompt_ids) + len(first.completion_ids)
-    sample = flatten([first, second], max_completion_tokens=100_000, pad_id=tokenizer.pad_token_id)
-    assert sample.continuous
-    tool_text = tokenizer.decode([t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 0])
-    assert "<tool_response>" in tool_text and task["answer_items"][0] in tool_text

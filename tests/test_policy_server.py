@@ -41,17 +41,22 @@ def test_turns_chain_into_one_sequence_with_added_text_masked(tiny) -> None:
     chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 8})
     asyncio.run(two_turns(chat))
     first, second = server.pop_records("r0")
-    assert second.reused_prefix == len(first.prompt_ids) + len(first.completion_ids)
-    assert second.prompt_ids[: second.reused_prefix] == first.prompt_ids + first.completion_ids
+    assert second.continues
+    assert (
+        second.prompt_ids[: len(first.prompt_ids) + len(first.completion_ids)]
+        == first.prompt_ids + first.completion_ids
+    )
 
-    sample = flatten([first, second], max_completion_tokens=1000, pad_id=server.tokenizer.pad_token_id)
-    assert sample.continuous and sample.prompt_ids == first.prompt_ids
+    sample = flatten([first, second], max_completion_tokens=1000)
+    assert not isinstance(sample, str) and sample.prompt_ids == first.prompt_ids
     assert len(sample.completion_ids) == len(sample.env_mask)
     added = [t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 0]
     added_text = server.tokenizer.decode(added)
     assert "What is in the table?" in added_text and "<|im_start|>user" in added_text
     model_tokens = [t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 1]
     assert model_tokens == first.completion_ids + second.completion_ids
+    model_logprobs = [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m == 1]
+    assert model_logprobs == (first.logprobs or []) + (second.logprobs or []) and all(lp <= 0 for lp in model_logprobs)
 
 
 def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
@@ -94,13 +99,14 @@ def test_rollouts_that_start_one_by_one_still_share_one_generate_call(tiny) -> N
     assert asyncio.run(run_all()) == 1
 
 
-def test_a_spent_response_budget_ends_the_rollout_with_length(tiny) -> None:
+def test_a_spent_response_budget_ends_the_rollout_with_length_and_its_sample_is_refused(tiny) -> None:
     server = server_for(tiny, max_response_tokens=8)
     chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 8})
     asyncio.run(two_turns(chat))
     first, second = server.pop_records("r0")
     assert len(first.completion_ids) <= 8
-    assert second.completion_ids == [] and second.finish_reason == "length"
+    assert second.completion_ids == [] and second.finish_reason == "length" and not second.sampled
+    assert flatten([first, second], max_completion_tokens=1000) == "overflow"  # never cut with the full reward
 
 
 def test_too_long_a_prompt_is_a_clear_400(tiny) -> None:
@@ -110,7 +116,7 @@ def test_too_long_a_prompt_is_a_clear_400(tiny) -> None:
         asyncio.run(chat.chat([{"role": "user", "content": "What is in the table?"}]))
 
 
-def test_flatten_stops_at_a_call_that_does_not_continue(tiny, tmp_path: Path) -> None:
+def test_a_call_that_does_not_continue_makes_the_sample_inexact(tiny, tmp_path: Path) -> None:
     server = server_for(tiny)
     chat = server.chat_model("r0", {"temperature": 0.0, "max_tokens": 4})
 
@@ -120,9 +126,8 @@ def test_flatten_stops_at_a_call_that_does_not_continue(tiny, tmp_path: Path) ->
 
     asyncio.run(restart())
     calls = server.pop_records("r0")
-    assert calls[1].reused_prefix == 0
-    sample = flatten(calls, max_completion_tokens=1000, pad_id=0)
-    assert not sample.continuous and sample.completion_ids == calls[0].completion_ids
+    assert not calls[1].continues
+    assert flatten(calls, max_completion_tokens=1000) == "inexact"
 
 
 def test_a_later_call_that_breaks_the_sequence_ends_the_rollout_instead_of_failing(tiny) -> None:

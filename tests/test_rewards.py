@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -132,3 +134,24 @@ def test_a_missing_reward_stays_missing_through_the_rollout_loop() -> None:
     summary, rollouts = asyncio.run(evaluate(OneCallAgent(), tasks, lambda i: chats[i], flaky_judge))
     assert [r.reward for r in rollouts] == [0.7, None] and all(r.error is None for r in rollouts)
     assert summary.missing == 1 and summary.accuracy == pytest.approx(0.7)
+
+
+def test_a_gold_query_that_failed_is_run_again_next_time(tmp_path: Path) -> None:
+    """A gold result is cached only when it ran: a transient failure (here, the table is missing at first) does not
+    zero the task for the rest of the run."""
+    import sqlite3
+
+    from rewards.exec_match import clear_gold_cache, execution_match
+
+    clear_gold_cache()
+    db = tmp_path / "db.sqlite"
+    sqlite3.connect(db).close()
+    before = db.stat()
+    with pytest.raises(ValueError, match="gold SQL fails"):
+        execution_match("SELECT 1", "SELECT count(*) FROM t", db)
+    conn = sqlite3.connect(db)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    os.utime(db, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same cache key: only a retry can see the table
+    assert execution_match("SELECT count(*) FROM t", "SELECT count(*) FROM t", db) == 1.0

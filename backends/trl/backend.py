@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 
 from backends.algorithm import GRPO
 from backends.generation import ENGINES, Engine, make_engine
@@ -25,6 +25,7 @@ from backends.policy_server import PolicyServer
 from backends.setup import TrainSetup
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts
+from backends.trl.trainer import AgentGRPOTrainer
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -82,7 +83,9 @@ class TRLBackend:
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
             server = self._server(model, tokenizer, setup)
-            summary, rollouts = validate_policy(setup.agent, val_tasks, server, metric, algo.sampling(0.0))
+            summary, rollouts = validate_policy(
+                setup.agent, val_tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s
+            )
             self.engine().release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
             results[f"val_{name}"] = vars(summary)
@@ -117,8 +120,9 @@ class TRLBackend:
             server,
             algo.sampling(algo.temperature),
             algo.max_response_length,
+            algo.reward_timeout_s,
         )
-        trainer = GRPOTrainer(
+        trainer = AgentGRPOTrainer(
             model=model,
             reward_funcs=[_passthrough_reward(setup.reward.name)],
             args=self.grpo_config(algo, str(run.checkpoints), setup.seed, device),
@@ -127,6 +131,8 @@ class TRLBackend:
             peft_config=setup.finetune.peft_config(),
             rollout_func=rollout_func,
             callbacks=[_StepLog(setup, rollout_func, validation)],
+            is_correction=algo.is_correction,
+            is_cap=algo.is_cap,
         )
         start = time.monotonic()
         trainer.train(resume_from_checkpoint=resume_from)
@@ -144,6 +150,7 @@ class TRLBackend:
             max_response_tokens=algo.max_response_length,
             batch_wait_s=self.batch_wait_s,
             engine=self.engine(),
+            chat_format=setup.model.chat_format(tokenizer),
         )
 
     def grpo_config(self, algo: GRPO, output_dir: str, seed: int, device: str) -> GRPOConfig:

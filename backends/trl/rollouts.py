@@ -1,10 +1,21 @@
 """Agent rollouts as TRL GRPO samples: the agent runs against the policy server; its calls become one token sequence.
 
 TRL's `rollout_func` gets the step's prompts already repeated `group_size` times (one entry per rollout) and returns
-one sample per entry. A sample is the first call's prompt, then every model turn (trained, env_mask 1) with the text
-the agent added between turns (tool results, check and rewrite requests: env_mask 0) in between. This differs from
-agent-lightning's transition-level triplets, where each LLM call is its own sample carrying the rollout's reward;
-here the whole multi-turn rollout is one sample, as in TRL's own tool loop.
+one sample per entry. A sample is the first call's prompt, then every model turn (trained, env_mask 1, with the
+sampler's log-probs) and the tokens the conversation added between turns (tool results, check and rewrite requests:
+env_mask 0) in between. Because the policy server builds each prompt token in, token out, this is by construction
+what was sampled plus environment tokens. This differs from agent-lightning's transition-level triplets, where each
+LLM call is its own sample carrying the rollout's reward; here the whole multi-turn rollout is one sample, as in TRL's
+own tool loop.
+
+Fail closed: a rollout that cannot be trained on exactly is excluded, and counted per reason in
+`rollout/excluded_<reason>_rate`:
+- `agent_error`: the agent raised, or a model call failed (e.g. its first prompt was too long);
+- `reward_error`: the reward raised or timed out;
+- `inexact`: a call's messages did not extend the conversation (the agent rewrote or dropped a message);
+- `overflow`: the rollout went on after its response budget was spent (a call got an empty reply it never sampled).
+An excluded rollout's sample is one masked token with reward None: TRL leaves it out of its group's baseline, gives
+it advantage 0, and its loss mask is all zeros, so it gets no gradient at all (also none from a KL term).
 """
 
 from __future__ import annotations
@@ -21,30 +32,44 @@ from backends.policy_server import CallRecord, PolicyServer
 
 log = logging.getLogger(__name__)
 
+EXCLUSION_REASONS = ("agent_error", "reward_error", "inexact", "overflow")
+
 
 @dataclass
 class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     env_mask: list[int]
-    continuous: bool
+    logprobs: list[float]  # the sampler's, for model tokens; 0.0 for environment tokens
+    excluded: str | None = None  # why it gets no gradient (one of EXCLUSION_REASONS), or None
 
 
-def flatten(calls: list[CallRecord], max_completion_tokens: int, pad_id: int) -> Sample:
-    """One sequence from a rollout's calls. Stops at a call that does not continue the previous one."""
-    if not calls:  # the agent failed before its first call: an empty, untrained sample
-        return Sample([pad_id], [pad_id], [0], True)
+def flatten(calls: list[CallRecord], max_completion_tokens: int) -> Sample | str:
+    """One sequence from a rollout's calls, or the reason it cannot be built exactly (`inexact`, `overflow`)."""
+    if not calls:
+        return "inexact"
+    if any(not call.continues for call in calls[1:]):
+        return "inexact"
+    if any(not call.sampled for call in calls):
+        return "overflow"
     first = calls[0]
-    completion, mask = list(first.completion_ids), [1] * len(first.completion_ids)
-    continuous = True
-    for call in calls[1:]:
-        if call.reused_prefix != len(first.prompt_ids) + len(completion):
-            continuous = False
-            break
-        added = call.prompt_ids[call.reused_prefix :]
-        completion += added + call.completion_ids
-        mask += [0] * len(added) + [1] * len(call.completion_ids)
-    return Sample(first.prompt_ids, completion[:max_completion_tokens], mask[:max_completion_tokens], continuous)
+    completion: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    for call in calls:
+        added = call.prompt_ids[len(first.prompt_ids) + len(completion) :]  # empty for the first call
+        sampled = call.completion_ids
+        completion += added + sampled
+        mask += [0] * len(added) + [1] * len(sampled)
+        logprobs += [0.0] * len(added) + (call.logprobs or [0.0] * len(sampled))
+    if len(completion) > max_completion_tokens:  # the server's budget prevents this; never cut a sample silently
+        return "overflow"
+    return Sample(first.prompt_ids, completion, mask, logprobs)
+
+
+def excluded_sample(reason: str, pad_id: int) -> Sample:
+    """What an excluded rollout contributes: one masked token (no gradient; its reward is None)."""
+    return Sample([pad_id], [pad_id], [0], [0.0], excluded=reason)
 
 
 def task_prompt(task: dict[str, Any]) -> str:
@@ -62,44 +87,67 @@ class AgentRollouts:
         server: PolicyServer,
         sampling: dict[str, Any],
         max_completion_tokens: int,
+        reward_timeout_s: float | None = None,
     ) -> None:
         self.agent = agent
         self.reward = reward
         self.server = server
         self.sampling = sampling
         self.max_completion_tokens = max_completion_tokens
+        self.reward_timeout_s = reward_timeout_s
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
+        self.last_samples: list[Sample] = []
         self._counter = 0
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         self.server.model = trainer.accelerator.unwrap_model(trainer.model)
         tasks = [json.loads(p) for p in prompts]
-        rollouts, records = run_on_server(self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids)
+        rollouts, records = run_on_server(
+            self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
+        )
         pad_id = self.server.tokenizer.pad_token_id
-        samples = [flatten(calls, self.max_completion_tokens, pad_id) for calls in records]
+        samples = [self._sample(r, calls, pad_id) for r, calls in zip(rollouts, records, strict=True)]
         n = len(rollouts)
-        for rollout in rollouts:
-            if rollout.error is not None:  # the step goes on; the run's log says what went wrong
-                log.warning("rollout on task %s failed: %s", rollout.task.get("id"), rollout.error)
-        self.last_rollouts = rollouts
+        for rollout, sample in zip(rollouts, samples, strict=True):
+            if sample.excluded is not None:  # the step goes on; the run's log says what went wrong
+                log.warning(
+                    "rollout on task %s excluded (%s): %s", rollout.task.get("id"), sample.excluded, rollout.error
+                )
+        self.last_rollouts, self.last_samples = rollouts, samples
+        trained = [s for s in samples if s.excluded is None]
         self.last_stats = {
             "rollout/turns_mean": sum(r.trajectory.turns for r in rollouts) / n,
             "rollout/llm_calls_mean": sum(len(c) for c in records) / n,
             "rollout/execution_error_rate": sum(r.trajectory.execution_errors for r in rollouts)
             / max(1, sum(r.trajectory.executions for r in rollouts)),
-            "rollout/agent_error_rate": sum(r.error is not None for r in rollouts) / n,
+            "rollout/agent_error_rate": sum(r.failure == "agent_error" for r in rollouts) / n,
             "rollout/reward_missing_rate": sum(r.reward is None for r in rollouts) / n,
-            "rollout/discontinuous_rate": sum(not s.continuous for s in samples) / n,
-            "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in samples) / n,
+            "rollout/discontinuous_rate": sum(any(not c.continues for c in calls[1:]) for calls in records) / n,
+            "rollout/excluded_rate": (n - len(trained)) / n,
+            **{
+                f"rollout/excluded_{reason}_rate": sum(s.excluded == reason for s in samples) / n
+                for reason in EXCLUSION_REASONS
+            },
+            "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in trained) / max(1, len(trained)),
         }
         return {
             "prompt_ids": [s.prompt_ids for s in samples],
             "completion_ids": [s.completion_ids for s in samples],
-            "logprobs": None,
+            "logprobs": [s.logprobs for s in samples],
             "env_mask": [s.env_mask for s in samples],
-            "rollout_reward": [r.reward for r in rollouts],
+            # None: TRL leaves the sample out of its group's baseline and gives it advantage 0
+            "rollout_reward": [
+                r.reward if s.excluded is None else None for r, s in zip(rollouts, samples, strict=True)
+            ],
         }
+
+    def _sample(self, rollout: Rollout, calls: list[CallRecord], pad_id: int) -> Sample:
+        """The rollout's sample, or an excluded one: the agent's or reward's failure first, then the sequence's."""
+        if rollout.failure is not None:
+            return excluded_sample(rollout.failure, pad_id)
+        built = flatten(calls, self.max_completion_tokens)
+        return excluded_sample(built, pad_id) if isinstance(built, str) else built
 
     def _next_ids(self, count: int) -> list[str]:
         start, self._counter = self._counter, self._counter + count
@@ -113,6 +161,7 @@ def run_on_server(
     sampling: dict[str, Any],
     reward: Reward,
     new_ids: Callable[[int], list[str]],
+    reward_timeout_s: float | None = None,
 ) -> tuple[list[Rollout], list[list[CallRecord]]]:
     """Run all tasks concurrently against `server`; returns the rollouts and each one's recorded calls."""
     ids = new_ids(len(tasks))
@@ -121,7 +170,12 @@ def run_on_server(
     async def go() -> list[Rollout]:
         with server.active_rollouts(len(tasks)):
             return await run_rollouts(
-                agent, tasks, lambda i: chats[i], reward, on_finished=lambda _i: server.rollout_finished()
+                agent,
+                tasks,
+                lambda i: chats[i],
+                reward,
+                on_finished=lambda _i: server.rollout_finished(),
+                reward_timeout_s=reward_timeout_s,
             )
 
     rollouts = asyncio.run(go())
@@ -134,6 +188,7 @@ def validate_policy(
     server: PolicyServer,
     metric: Reward,
     sampling: dict[str, Any],
+    reward_timeout_s: float | None = None,
 ) -> tuple[EvalSummary, list[Rollout]]:
     """Evaluation of the server's current model on `tasks` (greedy when `sampling` says so), all batched together."""
     chats = [server.chat_model(f"val{i}", sampling) for i in range(len(tasks))]
@@ -141,7 +196,12 @@ def validate_policy(
     async def go() -> tuple[EvalSummary, list[Rollout]]:
         with server.active_rollouts(len(tasks)):
             return await evaluate(
-                agent, tasks, lambda i: chats[i], metric, on_finished=lambda _i: server.rollout_finished()
+                agent,
+                tasks,
+                lambda i: chats[i],
+                metric,
+                on_finished=lambda _i: server.rollout_finished(),
+                reward_timeout_s=reward_timeout_s,
             )
 
     try:

@@ -23,7 +23,7 @@ from trl import SFTConfig, SFTTrainer
 
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
-from backends.policy_server import for_template
+from models.chat import for_template
 
 Demonstration = dict[str, Any]  # {"messages": [...], "tools": JSON string or None}
 

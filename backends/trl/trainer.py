@@ -1,0 +1,84 @@
+"""TRL's GRPOTrainer with the sampler's log-probs used: truncated importance sampling for the engine/trainer mismatch.
+
+The policy server's engine samples with its own arithmetic (bf16 decode kernels, CUDA graphs, fused weights) and the
+trainer scores the same tokens with the model's forward. TRL corrects that gap only when it runs vLLM itself
+(`vllm_importance_sampling_*`); here the rollout function brings the sampler's log-probs, so this subclass applies
+the same correction after TRL has built the batch:
+
+    w = exp(log p_trainer - log p_sampler)  per model token (token_*), or the product over a sequence (sequence_*)
+    truncate: w = min(w, cap);  mask: w = 0 where w > cap
+
+The weight multiplies each token's policy-gradient term. It is folded into the advantages, which TRL accepts per
+token (shape (B, T)); since w >= 0, -min(r A w, clip(r) A w) = w * -min(r A, clip(r) A): the same as TRL's own
+`per_token_loss * importance_sampling_ratio`. Logged per step: `sampling/logp_diff/{mean,max}` (|delta log p| over
+model tokens), `sampling/is_ratio/mean` (before truncation) and `sampling/is_ratio/clipped_frac`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+
+def importance_weights(
+    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token weights (B, T) for `mode` (see the module docstring), and the step's metrics."""
+    diff = (trainer_logps - sampler_logps) * mask
+    if mode.startswith("sequence"):
+        ratio = torch.exp(diff.sum(dim=-1, keepdim=True).clamp(max=20.0)).expand_as(diff)
+    else:
+        ratio = torch.exp(diff.clamp(max=20.0))
+    over = ratio > cap
+    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(over, 0.0)
+    model_tokens = mask.bool()
+    n = max(1, int(model_tokens.sum()))
+    delta = diff.abs()[model_tokens]
+    metrics = {
+        "sampling/logp_diff/mean": float(delta.sum()) / n,
+        "sampling/logp_diff/max": float(delta.max()) if delta.numel() else 0.0,
+        "sampling/is_ratio/mean": float(ratio[model_tokens].sum()) / n,
+        "sampling/is_ratio/clipped_frac": float(over[model_tokens].sum()) / n,
+    }
+    return weights * mask, metrics
+
+
+class AgentGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer + importance-sampling correction with the rollout function's log-probs (`is_correction` /
+    `is_cap`: `algorithm.is_correction`, `algorithm.is_cap`; "none" leaves TRL's computation as it is)."""
+
+    def __init__(self, *args: Any, is_correction: str = "none", is_cap: float = 2.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.is_correction = is_correction
+        self.is_cap = is_cap
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        sampler_logps = output.get("sampling_per_token_logps")
+        if self.is_correction == "none" or sampler_logps is None:
+            return output
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        trainer_logps = output.get("old_per_token_logps")
+        if trainer_logps is None:  # TRL skips this forward when on-policy; the correction needs it
+            trainer_logps = self._trainer_logps(output)
+        weights, metrics = importance_weights(trainer_logps, sampler_logps, mask, self.is_correction, self.is_cap)
+        output["advantages"] = output["advantages"].reshape(-1, 1) * weights
+        mode = "train" if self.model.training else "eval"
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(value)
+        return output
+
+    @torch.no_grad()
+    def _trainer_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logps, _, _ = self._get_per_token_logps_and_entropies(
+            self.model,
+            ids,
+            attention,
+            output["completion_ids"].size(1),
+            batch_size=self.args.per_device_train_batch_size,
+        )
+        return logps

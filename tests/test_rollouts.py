@@ -1,0 +1,163 @@
+"""`AgentRollouts` as TRL's rollout function, end to end on a tiny model: samples, masks, log-probs, rewards, metrics,
+and fail-closed exclusion (an agent exception and a reward timeout in a group get zero weight and leave the others'
+advantages as if they had never run)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+
+from agent.llm import OpenAIChat
+from agent.rollout import run_rollouts
+from agent.trajectory import Trajectory
+from backends.algorithm import GRPO
+from backends.policy_server import PolicyServer
+from backends.trl.backend import TRLBackend, _passthrough_reward
+from backends.trl.rollouts import AgentRollouts, task_prompt
+from backends.trl.trainer import AgentGRPOTrainer, importance_weights
+from tests.conftest import micro_tiny
+
+GROUP = 4
+# Rewards by rollout (r<i>: the i-th rollout of the step; task A is r0-r3, task B r4-r7).
+REWARDS = {"r0": 1.0, "r1": 0.0, "r3": 1.0, "r4": 0.0, "r6": 1.0, "r7": 1.0}
+AGENT_FAILS, REWARD_HANGS = "r2", "r5"
+
+
+def rollout_id(llm: OpenAIChat) -> str:
+    return str(llm.client.base_url).rstrip("/").split("/")[-2]  # .../rollouts/<id>/v1
+
+
+@dataclass
+class TwoTurnAgent:
+    """Asks twice in one conversation; raises (after its first call) in rollout AGENT_FAILS."""
+
+    async def run(self, task: dict[str, Any], llm: OpenAIChat) -> Trajectory:
+        messages = [{"role": "user", "content": task["question"]}]
+        first = await llm.chat(messages)
+        if rollout_id(llm) == AGENT_FAILS:
+            raise RuntimeError("the agent broke")
+        messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "Again."}]
+        second = await llm.chat(messages)
+        messages.append({"role": "assistant", "content": second})
+        return Trajectory(messages=messages, answer=rollout_id(llm), turns=2)
+
+
+class TableReward:
+    """The reward in REWARDS; in rollout REWARD_HANGS it blocks until released (the timeout fires first)."""
+
+    name = "table"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
+        if trajectory.answer == REWARD_HANGS:
+            self.release.wait(60)
+        return REWARDS[str(trajectory.answer)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    spec = micro_tiny(tmp_path_factory.mktemp("models"))
+    source = spec.prepare(["How many people are there?", "Again.", "SELECT count(*) FROM people"] * 10)
+    return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
+
+
+def test_failed_rollouts_get_no_weight_and_do_not_shift_the_group_baseline(tiny: tuple[Any, Any], tmp_path: Path):
+    model, tokenizer = tiny
+    algo = GRPO(group_size=GROUP, tasks_per_step=2, micro_batch_size=8, max_prompt_length=256, max_response_length=96)
+    reward = TableReward()
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=256, max_response_tokens=96)
+    rollouts = AgentRollouts(TwoTurnAgent(), reward, server, {"temperature": 1.0, "max_tokens": 8}, 96, 0.5)
+    tasks = [{"id": "A", "question": "How many people are there?"}, {"id": "B", "question": "Again."}]
+    trainer = AgentGRPOTrainer(
+        model=model,
+        reward_funcs=[_passthrough_reward("table")],
+        args=TRLBackend().grpo_config(algo, str(tmp_path), seed=0, device="cpu"),
+        train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
+        processing_class=tokenizer,
+        rollout_func=rollouts,
+        is_correction="token_truncate",
+        is_cap=2.0,
+    )
+    inputs = [{"prompt": task_prompt(t)} for t in tasks for _ in range(GROUP)]
+    trainer.model.train()  # as inside trainer.train(): the step's metrics are the training ones
+    try:
+        output = trainer._generate_and_score_completions(inputs)
+    finally:
+        reward.release.set()
+
+    # The rollouts themselves: the failures are marked, with their reasons; the rest are exact two-turn samples.
+    failures = [r.failure for r in rollouts.last_rollouts]
+    assert failures == [None, None, "agent_error", None, None, "reward_error", None, None]
+    assert "the agent broke" in str(rollouts.last_rollouts[2].error)
+    assert "timed out" in str(rollouts.last_rollouts[5].error) and rollouts.last_rollouts[5].reward is None
+    samples = rollouts.last_samples
+    assert [s.excluded for s in samples] == [None, None, "agent_error", None, None, "reward_error", None, None]
+    for sample in (s for s in samples if s.excluded is None):
+        assert len(sample.completion_ids) == len(sample.env_mask) == len(sample.logprobs) <= 96
+        assert sample.env_mask[0] == 1 and 0 in sample.env_mask  # model turn, then the masked "Again." turn
+        assert all(lp < 0 for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m == 1)
+    stats = rollouts.last_stats
+    assert stats["rollout/excluded_rate"] == 2 / 8
+    assert stats["rollout/excluded_agent_error_rate"] == stats["rollout/excluded_reward_error_rate"] == 1 / 8
+    assert stats["rollout/excluded_inexact_rate"] == stats["rollout/excluded_overflow_rate"] == 0
+    assert stats["rollout/discontinuous_rate"] == 0
+
+    # Zero weight in the loss: no token of an excluded row is in the loss mask, and its advantage is 0.
+    loss_mask = output["completion_mask"] * output["tool_mask"]
+    advantages = output["advantages"]
+    for row in (2, 5):
+        assert loss_mask[row].sum() == 0 and torch.all(advantages[row] == 0)
+    assert output["num_items_in_batch"] == sum(sum(s.env_mask) for s in samples if s.excluded is None)
+
+    # The others' advantages: normalized over their own group as if the excluded rollouts had never run.
+    def expected(ids: list[str]) -> dict[str, float]:
+        r = torch.tensor([REWARDS[i] for i in ids])
+        return {i: float((REWARDS[i] - r.mean()) / (r.std() + 1e-4)) for i in ids}
+
+    want = expected(["r0", "r1", "r3"]) | expected(["r4", "r6", "r7"])
+    for row, rid in enumerate(f"r{i}" for i in range(8)):
+        if rid in want:
+            model_tokens = loss_mask[row].bool()
+            # on CPU float32 the sampler's and the trainer's log-probs agree: the IS weight is 1
+            assert torch.allclose(advantages[row][model_tokens], torch.tensor(want[rid]), atol=1e-4)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert metrics["sampling/logp_diff/max"] < 1e-4 and metrics["sampling/is_ratio/clipped_frac"] == 0
+
+
+def test_importance_weights_truncate_and_mask_at_the_cap() -> None:
+    trainer = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
+    sampler = torch.tensor([[-1.0, -1.0, -0.5, 0.0]])  # ratios e, 1, e^-1.5; the last token is environment
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights, metrics = importance_weights(trainer, sampler, mask, "token_truncate", cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[2.0, 1.0, float(torch.exp(torch.tensor(-1.5))), 0.0]]))
+    assert metrics["sampling/is_ratio/clipped_frac"] == pytest.approx(1 / 3)
+    assert metrics["sampling/logp_diff/max"] == pytest.approx(1.5)
+    weights, _ = importance_weights(trainer, sampler, mask, "token_mask", cap=2.0)
+    assert weights[0, 0] == 0 and weights[0, 1] == 1
+    weights, _ = importance_weights(trainer, sampler, mask, "sequence_truncate", cap=2.0)  # e^-0.5 for every token
+    assert torch.allclose(weights[0, :3], torch.exp(torch.tensor(-0.5)).expand(3)) and weights[0, 3] == 0
+
+
+def test_a_reward_that_raises_is_missing_not_zero() -> None:
+    import asyncio
+
+    def broken(task: dict[str, Any], trajectory: Trajectory) -> float:
+        raise ValueError("gold SQL fails")
+
+    class Quiet:
+        async def run(self, task: dict[str, Any], llm: Any) -> Trajectory:
+            return Trajectory(final_sql="SELECT 1")
+
+    [rollout] = asyncio.run(run_rollouts(Quiet(), [{"id": 1}], lambda _i: None, broken))  # type: ignore[arg-type]
+    assert rollout.reward is None and rollout.failure == "reward_error"
+    assert "gold SQL fails" in str(rollout.error)
+    assert json.dumps(rollout.record())  # still a record a run writes

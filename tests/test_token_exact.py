@@ -1,0 +1,196 @@
+"""Token in, token out: for every shipped chat template, a multi-turn rollout's trained ids are exactly the sampled ids
+plus environment ids, with the right masks and the sampler's log-probs.
+
+The real policy server and the real agents (the Spider agent with its check step; the medical agent through the
+OpenAI Agents SDK with tool calls) run against a scripted engine whose sampled ids hold what breaks a re-render:
+`<think>` blocks followed by a user message (Qwen3's template drops them), compact tool-call JSON (templates
+re-serialize it with spaces), and an end token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose, initialize_config_dir
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from backends.generation import Completion
+from backends.policy_server import PolicyServer
+from backends.trl.rollouts import Sample, flatten
+from experiments.config import build_components
+from models.chat import ChatFormat
+from models.tiny import TinyModel
+from tests.conftest import ROOT
+
+# (chat template, enable_thinking, tool-call format)
+TEMPLATES = [
+    ("qwen25", None, "hermes"),
+    ("qwen3", None, "hermes"),  # thinking on: the template's default
+    ("qwen3", False, "hermes"),
+    ("llama3", None, "llama3_json"),
+]
+TEMPLATE_IDS = ["qwen25", "qwen3-think", "qwen3-nothink", "llama3"]
+THOUGHT = "<think>\nThe table people has a name column.\n</think>\n\n"
+
+
+class ScriptedEngine:
+    """Returns the scripted texts (tokenized, the end token appended), one per call, with made-up log-probs; keeps
+    what it sampled."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.texts = iter(texts)
+        self.sampled: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+
+    def generate(self, model: Any, prompts: list[list[int]], max_new_tokens: list[int], **_: Any) -> list[Completion]:
+        out = []
+        for _prompt in prompts:
+            ids = self.tokenizer(next(self.texts), add_special_tokens=False)["input_ids"]
+            ids = [*ids, self.tokenizer.eos_token_id]
+            logprobs = [-0.01 * (len(self.sampled) + 1) - 0.001 * k for k in range(len(ids))]
+            self.sampled.append(ids)
+            self.logprobs.append(logprobs)
+            out.append(Completion(ids, "stop", logprobs))
+        return out
+
+    def release(self) -> None:
+        """Nothing is kept."""
+
+
+def parts(agent: str, data_dir: Path) -> dict[str, Any]:
+    key = {"spider_sql": "data.spider_dir", "med_sql": "data.data_dir"}[agent]
+    overrides = [f"agent={agent}", f"{key}={data_dir}", "data.generate=null"]
+    if agent == "spider_sql":
+        overrides += ["agent.check_step=true", "agent.max_turns=2"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return build_components(compose("config", overrides=overrides))
+
+
+def tiny_with(template: str, cache: Path, corpus: list[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    spec = TinyModel(
+        name="tiny",
+        hub_id=None,
+        path=None,
+        context_length=4096,
+        tool_call_format="hermes",
+        cache_dir=str(cache),
+        vocab_size=400,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        chat_template=template,
+    )
+    source = spec.prepare(corpus)
+    return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
+
+
+def run_rollout(
+    agent: Any, task: dict[str, Any], texts: list[str], template: tuple[str, bool | None, str], cache: Path
+) -> tuple[Any, PolicyServer, ScriptedEngine, list[Any]]:
+    name, thinking, tool_format = template
+    model, tokenizer = tiny_with(name, cache, [*texts, task["question"]] * 3)
+    engine = ScriptedEngine(tokenizer, texts)
+    chat_format = ChatFormat(tokenizer, tool_format, {} if thinking is None else {"enable_thinking": thinking})
+    server = PolicyServer(
+        model, tokenizer, max_prompt_tokens=8192, max_response_tokens=8192, engine=engine, chat_format=chat_format
+    )
+    trajectory = asyncio.run(agent.run(task, server.chat_model("r0", {"temperature": 1.0})))
+    return trajectory, server, engine, server.pop_records("r0")
+
+
+def assert_exact(sample: Sample | str, calls: list[Any], engine: ScriptedEngine) -> Sample:
+    """Trained ids = first prompt, then per call: the ids the conversation added (mask 0), the sampled ids (mask 1)."""
+    assert isinstance(sample, Sample), f"the rollout was excluded: {sample}"
+    assert all(call.continues for call in calls[1:])
+    assert sample.prompt_ids == calls[0].prompt_ids
+    model_ids = [t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 1]
+    assert model_ids == [t for ids in engine.sampled for t in ids]
+    model_logprobs = [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m == 1]
+    assert model_logprobs == [lp for lps in engine.logprobs for lp in lps]
+    sequence = sample.prompt_ids + sample.completion_ids
+    for call, sampled in zip(calls, engine.sampled, strict=True):  # each call's prompt is a prefix of the sample
+        assert sequence[: len(call.prompt_ids)] == call.prompt_ids
+        assert sequence[len(call.prompt_ids) : len(call.prompt_ids) + len(sampled)] == sampled
+    return sample
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_check_step_rollout_with_thinking_is_sampled_ids_plus_environment_ids(
+    template: tuple[str, bool | None, str], spider_mini_dir: Path, tmp_path: Path
+) -> None:
+    built = parts("spider_sql", spider_mini_dir)
+    task = built["data"].val_tasks()[0]
+    thought = THOUGHT if template[1] is not False else ""  # thinking off: the prompt holds an empty think block
+    texts = [
+        f"{thought}```sql\nSELECT name FROM people\n```",
+        "THE QUERY IS INCORRECT",
+        f"{thought}```sql\n{task['query']}\n```",
+        "THE QUERY IS CORRECT",
+    ]
+    trajectory, server, engine, calls = run_rollout(built["agent"], task, texts, template, tmp_path)
+    assert trajectory.error is None and trajectory.turns == 2 and trajectory.final_sql == task["query"]
+    assert len(calls) == 4
+    sample = assert_exact(flatten(calls, 100_000), calls, engine)
+    added = server.tokenizer.decode([t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 0])
+    assert "Check the query" in added and "Write a corrected query." in added  # requests are environment text
+    if template[:2] == ("qwen3", None):  # what a re-render would have trained instead: the thinking is gone
+        rendered = server.chat_format.render(trajectory.messages, None, generation_prompt=False)
+        assert "The table people" not in rendered
+        assert "The table people" in server.tokenizer.decode(sample.completion_ids)
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=TEMPLATE_IDS)
+def test_tool_call_rollout_with_compact_json_is_sampled_ids_plus_environment_ids(
+    template: tuple[str, bool | None, str], med_qa_dir: Path, tmp_path: Path
+) -> None:
+    built = parts("med_sql", med_qa_dir)
+    task = built["data"].val_tasks()[0]
+    compact = json.dumps({"name": "query_database_by_sql", "arguments": {"sql": task["query"]}}, separators=(",", ":"))
+    if template[2] == "llama3_json":
+        call = json.dumps(
+            {"name": "query_database_by_sql", "parameters": {"sql": task["query"]}}, separators=(",", ":")
+        )
+    else:
+        call = f"<tool_call>\n{compact}\n</tool_call>"
+    texts = [call, "The database says so."]
+    trajectory, server, engine, calls = run_rollout(built["agent"], task, texts, template, tmp_path)
+    assert trajectory.error is None and trajectory.executions == 1 and trajectory.execution_errors == 0
+    assert trajectory.final_sql == task["query"] and trajectory.answer == "The database says so."
+    sample = assert_exact(flatten(calls, 100_000), calls, engine)
+    tool_text = server.tokenizer.decode(
+        [t for t, m in zip(sample.completion_ids, sample.env_mask, strict=True) if m == 0]
+    )
+    assert task["answer_items"][0] in tool_text
+    assert compact in server.tokenizer.decode(sample.completion_ids) or call in server.tokenizer.decode(
+        sample.completion_ids
+    )
+
+
+def test_a_rewritten_message_makes_the_rollout_inexact(spider_mini_dir: Path, tmp_path: Path) -> None:
+    """An agent that edits an earlier message cannot be trained exactly: the next call starts a fresh rendering and
+    the sample is refused (`inexact`), never cut."""
+    model, tokenizer = tiny_with("qwen3", tmp_path, ["Hi there. What now?"] * 5)
+    engine = ScriptedEngine(tokenizer, ["Hello.", "Fine."])
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=512, max_response_tokens=512, engine=engine)
+    chat = server.chat_model("r0", {"temperature": 1.0})
+
+    async def go() -> None:
+        reply = await chat.chat([{"role": "user", "content": "Hi there."}])
+        edited = reply + " (edited)"
+        await chat.chat(
+            [
+                {"role": "user", "content": "Hi there."},
+                {"role": "assistant", "content": edited},
+                {"role": "user", "content": "What now?"},
+            ]
+        )
+
+    asyncio.run(go())
+    calls = server.pop_records("r0")
+    assert not calls[1].continues
+    assert flatten(calls, 100_000) == "inexact"
