@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import os
 import socket
 from typing import Any
 
 from agent.llm import OpenAIChat
-from agent.rollout import Agent, Reward
+from agent.rollout import Agent, Reward, run_rollouts
 from backends.verl.settings import AglWiring
 
 # LiteLLM (agent-lightning's proxy) fetches a model cost map from the internet at import and retries for seconds.
@@ -19,8 +19,10 @@ os.environ.setdefault("AGENTOPS_API_ENDPOINT", "http://127.0.0.1:9")
 os.environ.setdefault("AGENTOPS_EXPORTER_ENDPOINT", "http://127.0.0.1:9")
 
 import agentlightning as agl
+from agentlightning.verl.daemon import AgentModeDaemon
 
 LLM_RESOURCE = "main_llm"
+log = logging.getLogger(__name__)
 
 
 class AgentRollouts(agl.LitAgent[dict[str, Any]]):
@@ -30,11 +32,14 @@ class AgentRollouts(agl.LitAgent[dict[str, Any]]):
     proxy, which records the calls (token ids included) as spans of this rollout.
     """
 
-    def __init__(self, agent: Agent, reward: Reward, sampling: dict[str, Any]) -> None:
+    def __init__(
+        self, agent: Agent, reward: Reward, sampling: dict[str, Any], reward_timeout_s: float | None = None
+    ) -> None:
         super().__init__()
         self.agent = agent
         self.reward = reward
         self.sampling = sampling  # ours (max_tokens per call), on top of what the resource sets (temperature)
+        self.reward_timeout_s = reward_timeout_s
 
     async def rollout_async(self, task: dict[str, Any], resources: agl.NamedResources, rollout: agl.Rollout) -> Any:
         llm = resources[LLM_RESOURCE]
@@ -47,9 +52,42 @@ class AgentRollouts(agl.LitAgent[dict[str, Any]]):
             api_key=llm.api_key or "EMPTY",
             sampling=llm.sampling_parameters | self.sampling,
         )
-        trajectory = await self.agent.run(task, chat)
+        # The same loop as backend=trl: an agent that raised or a reward that raised or timed out fails the rollout.
+        [result] = await run_rollouts(
+            self.agent, [task], lambda _i: chat, self.reward, reward_timeout_s=self.reward_timeout_s
+        )
+        if result.failure is not None:
+            log.warning("rollout on task %s excluded (%s): %s", task.get("id"), result.failure, result.error)
+            return None
         # None (a judge that could not be reached) stays missing: no reward span, never a silent 0.
-        return await asyncio.to_thread(self.reward, task, trajectory)
+        return result.reward
+
+
+class FailClosedDaemon(AgentModeDaemon):
+    """agent-lightning's verl daemon, except that a rollout without a reward (failed, or its reward missing) gives
+    no training samples: agent-lightning 0.3 would fill its reward with 0 (`reward_fillna_value`) and train on it.
+    With no triplets the daemon skips the rollout, so it is neither trained nor part of its group's baseline; it is
+    counted in `training/n_excluded_rollouts`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.excluded = 0
+
+    async def _validate_data_v1(self, rollout: Any) -> Any:
+        legacy = await super()._validate_data_v1(rollout)
+        if legacy.final_reward is None and legacy.triplets:
+            legacy.triplets = []
+            self.excluded += 1
+        return legacy
+
+    def get_train_data_batch(self, *args: Any, **kwargs: Any) -> Any:
+        batch, metrics = super().get_train_data_batch(*args, **kwargs)
+        metrics["training/n_excluded_rollouts"] = self.excluded
+        return batch, metrics
+
+    def clear_data_and_server(self) -> Any:
+        self.excluded = 0
+        return super().clear_data_and_server()
 
 
 def tracer(wiring: AglWiring) -> agl.Tracer:

@@ -10,6 +10,7 @@ worker on each other node) and verl's entry point joins it instead of starting a
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -23,6 +24,8 @@ from backends.verl.agl import agl
 from backends.verl.config import build_verl_config, own_hydra
 from backends.verl.settings import VerlBackend
 from experiments.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
@@ -38,7 +41,10 @@ def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
         )
     train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
     with own_hydra():  # agl.VERL composes with Hydra's global instance, which launch.py holds
-        algorithm = agl.VERL(OmegaConf.to_container(config, resolve=True))  # type: ignore[arg-type]
+        algorithm = agl.VERL(
+            OmegaConf.to_container(config, resolve=True),  # type: ignore[arg-type]
+            daemon_cls=wiring.FailClosedDaemon,
+        )
     store, port = wiring.store_and_port(backend)
     trainer = agl.Trainer(
         algorithm=algorithm,
@@ -56,12 +62,20 @@ def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
         "n_runners": trainer.n_runners,
         "adapter": type(trainer.adapter).__name__,
         "store": backend.store_address or "in-process",
+        # agent-lightning 0.3's daemon builds verl's batch without the sampler's log-probs: no correction can apply
+        "is_correction": "none (not available on backend=verl)",
     }
+    if setup.algorithm.is_correction != "none":
+        log.warning(
+            "algorithm.is_correction=%s is not applied on backend=verl: agent-lightning 0.3's daemon does not pass "
+            "the sampler's log-probs to verl",
+            setup.algorithm.is_correction,
+        )
     if not backend.fit:
         return results | {"fit": "skipped (backend.fit=false)"}
     start = time.monotonic()
     # verl's daemon sets the temperature (train or validation); each call's reply is one triplet's response.
     per_call = {"max_tokens": setup.algorithm.max_tokens_per_turn or setup.algorithm.max_response_length}
-    rollouts = wiring.AgentRollouts(setup.agent, setup.reward, per_call)
+    rollouts = wiring.AgentRollouts(setup.agent, setup.reward, per_call, setup.algorithm.reward_timeout_s)
     trainer.fit(rollouts, train_dataset=train_tasks, val_dataset=val_tasks)
     return results | {"fit": "done", "wall_s": time.monotonic() - start}
