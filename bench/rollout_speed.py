@@ -240,6 +240,7 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     from backends.policy_server import PolicyServer
     from backends.trl.backend import _passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
+    from backends.trl.trainer import AgentGRPOTrainer
     from models.tiny import train_tokenizer
 
     if torch.cuda.is_available():
@@ -295,7 +296,7 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
             engine=backend.engine(),
         )
         rollouts = AgentRollouts(agent, parts["reward"], server, algo.sampling(algo.temperature), args.tokens)
-        trainer = GRPOTrainer(
+        trainer = AgentGRPOTrainer(  # as backend=trl builds it: with the importance-sampling correction
             model=model,
             reward_funcs=[_passthrough_reward("exec_match")],
             args=backend.grpo_config(algo, str(out_dir / f"{case}-{variant}"), 0, args.device),
@@ -304,6 +305,8 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
             peft_config=finetune.peft_config(),
             rollout_func=rollouts,
             callbacks=[timer],
+            is_correction=algo.is_correction,
+            is_cap=algo.is_cap,
         )
     model.generation_config.eos_token_id = NO_TOKEN  # after GRPOTrainer, which sets the tokenizer's eos there
     generation = timed_generation(trainer)

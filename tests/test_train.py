@@ -17,7 +17,8 @@ def metrics_of(run_dir: Path) -> list[dict]:
 
 def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [*FAST_RUN, "algorithm.max_steps=3", f"hydra.run.dir={run_dir}"]
+    # Qwen3's template (thinking on): the check step's user turns follow replies, token in, token out
+    args = [*FAST_RUN, "model.chat_template=qwen3", "algorithm.max_steps=3", f"hydra.run.dir={run_dir}"]
     result = launch(args, cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run directory: {run_dir}" in result.stdout
@@ -31,6 +32,12 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert "val/accuracy" in metrics[0] and "val/accuracy" in metrics[-1]
     assert all("train/reward_mean" in m and "rollout/turns_mean" in m for m in metrics[1:])
     assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # write + check at least: multi-turn samples
+    # every training step says what was excluded and why, how exact the samples were, and the log-prob gap
+    keys = {"rollout/excluded_rate", "rollout/discontinuous_rate", "train/sampling/logp_diff/mean"}
+    keys |= {f"rollout/excluded_{r}_rate" for r in ("agent_error", "reward_error", "inexact", "overflow")}
+    assert all(keys <= m.keys() for m in metrics[1:])
+    assert all(m["rollout/discontinuous_rate"] == 0 and m["rollout/excluded_inexact_rate"] == 0 for m in metrics[1:])
+    assert all(m["train/sampling/logp_diff/max"] < 1e-4 for m in metrics[1:] if m["rollout/excluded_rate"] < 1)
     for step in (1, 2, 3):
         assert (run_dir / "checkpoints" / f"checkpoint-{step}" / "trainer_state.json").is_file()
     assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
