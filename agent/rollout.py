@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agent.llm import ChatModel
 from agent.trajectory import Trajectory
 
-# Rewards run here, not in asyncio's default executor: `asyncio.run` joins that one on exit, so a reward that hangs past
-# its timeout would hold the whole step. A reward that never returns keeps one of these threads.
-_REWARD_THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="reward")
+REWARDS_AT_ONCE = 32  # rewards scored concurrently (each may wait on a judge model)
 
 
 class Agent(Protocol):
@@ -70,10 +69,11 @@ async def run_rollouts(
     """Run `agent` on every task (at most `concurrency` at once) and score each; one failure never stops the rest.
 
     A rollout whose agent failed is still scored (evaluation counts it, usually as 0) and marked `agent_error`. A
-    reward that raises or takes longer than `reward_timeout_s` gives None (missing, never a silent 0), marked
-    `reward_error`; its thread is left to finish on its own.
+    reward that raises, returns None (missing: a judge that could not be reached) or runs longer than
+    `reward_timeout_s` gives None, never a silent 0, and is marked `reward_error`.
     """
     semaphore = asyncio.Semaphore(concurrency or len(tasks) or 1)
+    reward_slots = asyncio.Semaphore(REWARDS_AT_ONCE)
 
     async def one(index: int, task: dict[str, Any]) -> Rollout:
         async with semaphore:
@@ -87,18 +87,41 @@ async def run_rollouts(
         error = trajectory.error
         failure = None if error is None else AGENT_ERROR
         score: float | None
-        try:  # in a thread: a reward may wait on a judge model while the other rollouts go on
-            scoring = asyncio.get_running_loop().run_in_executor(_REWARD_THREADS, reward, task, trajectory)
-            score = await asyncio.wait_for(scoring, reward_timeout_s)
+        try:
+            async with reward_slots:  # the time limit counts from when the reward starts, not from when it queued
+                score = await asyncio.wait_for(_in_thread(reward, task, trajectory), reward_timeout_s)
         except TimeoutError:
-            score, failure = None, failure or REWARD_ERROR
-            error = error or f"reward timed out after {reward_timeout_s} s"
+            score, error = None, error or f"reward timed out after {reward_timeout_s} s"
         except Exception as exc:
-            score, failure = None, failure or REWARD_ERROR
-            error = error or f"reward failed: {type(exc).__name__}: {exc}"
+            score, error = None, error or f"reward failed: {type(exc).__name__}: {exc}"
+        if score is None:  # missing is counted as such (EvalSummary.missing), not as an error
+            failure = failure or REWARD_ERROR
         return Rollout(task=task, trajectory=trajectory, reward=score, error=error, failure=failure)
 
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
+
+
+def _in_thread(reward: Reward, task: dict[str, Any], trajectory: Trajectory) -> asyncio.Future[float | None]:
+    """`reward(task, trajectory)` in a daemon thread of its own. Not asyncio's default executor: `asyncio.run` joins
+    that on exit, so a reward hung past its time limit would hold the whole step (and the process at exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[float | None] = loop.create_future()
+
+    def settle(set_outcome: Callable[[Any], None], outcome: Any) -> None:
+        if not future.done():  # the wait may have given up (time limit) and cancelled it
+            set_outcome(outcome)
+
+    def work() -> None:
+        try:
+            outcome: Any = reward(task, trajectory)
+            setter = future.set_result
+        except Exception as exc:
+            outcome, setter = exc, future.set_exception
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for this reward any more
+            loop.call_soon_threadsafe(settle, setter, outcome)
+
+    threading.Thread(target=work, name="reward", daemon=True).start()
+    return future
 
 
 @dataclass

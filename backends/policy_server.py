@@ -229,7 +229,8 @@ class PolicyServer:
         if not extends:
             return self.chat_format.prompt_ids(messages, tools), False
         last = state.records[-1]
-        delta = self.chat_format.continuation_ids(messages[len(kept) :], tools, last.completion_ids)
+        stopped = last.finish_reason == "stop"  # ended with an eos id it sampled (not cut by length)
+        delta = self.chat_format.continuation_ids(messages[len(kept) :], tools, last.completion_ids, stopped)
         return last.prompt_ids + last.completion_ids + delta, True
 
     # ---- batching --------------------------------------------------------------------------------------------------

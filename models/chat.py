@@ -128,18 +128,22 @@ class ChatFormat:
         new_messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         sampled_ids: list[int],
+        stopped: bool,
     ) -> list[int]:
         """The ids that follow a sampled reply when `new_messages` are added: the part of the template's end of turn
-        that was not sampled, the new messages, and the generation prompt."""
+        that was not sampled, the new messages, and the generation prompt. `stopped`: the reply ended with an end
+        token the model sampled (its text, e.g. `<|im_end|>`, then starts the end of turn); otherwise (cut by length)
+        the whole end of turn is added."""
         text = self.render([*self._base, *new_messages], tools)
         start = text.index(_MARK) + len(_MARK)
         if not text.startswith(self.turn_end, start):
             raise ValueError("the chat template ends an assistant turn differently when messages follow it")
         delta = text[start + len(self.turn_end) :]
-        sampled_tail = self.tokenizer.decode(sampled_ids[-1:], skip_special_tokens=False) if sampled_ids else ""
         rest = self.turn_end
-        if sampled_tail and rest.startswith(sampled_tail):  # the model ended its turn itself (its end token)
-            rest = rest[len(sampled_tail) :]
+        if stopped and sampled_ids:
+            end_token = self.tokenizer.decode(sampled_ids[-1:], skip_special_tokens=False)
+            if rest.startswith(end_token):
+                rest = rest[len(end_token) :]
         return self.encode(rest + delta)
 
     def reply(self, text: str, tools: bool) -> dict[str, Any]:

@@ -194,3 +194,35 @@ def test_a_rewritten_message_makes_the_rollout_inexact(spider_mini_dir: Path, tm
     calls = server.pop_records("r0")
     assert not calls[1].continues
     assert flatten(calls, 100_000) == "inexact"
+
+
+@pytest.mark.parametrize("template", ["qwen25", "llama3"])
+def test_a_reply_cut_by_length_gets_the_whole_end_of_turn_as_environment_tokens(template: str, tmp_path: Path) -> None:
+    """A reply cut by length did not sample its end token; the next prompt adds it (mask 0), even when the cut reply's
+    last token reads like the start of that token's text (`<`)."""
+    model, tokenizer = tiny_with(template, tmp_path, ["SELECT a < b", "Go on."] * 5)
+    cut = [*tokenizer("SELECT a", add_special_tokens=False)["input_ids"], tokenizer.convert_tokens_to_ids("<")]
+    assert tokenizer.decode(cut[-1:]) == "<"  # the first character of the end token's text
+
+    class CutEngine(ScriptedEngine):
+        def generate(self, model: Any, prompts: list[list[int]], max_new_tokens: list[int], **_: Any) -> Any:
+            if not self.sampled:
+                self.sampled.append(cut)
+                self.logprobs.append([-0.5] * len(cut))
+                return [Completion(cut, "length", [-0.5] * len(cut))]
+            return super().generate(model, prompts, max_new_tokens)
+
+    engine = CutEngine(tokenizer, ["Done."])
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=512, max_response_tokens=512, engine=engine)
+    chat = server.chat_model("r0", {"temperature": 1.0})
+
+    async def go() -> None:
+        messages = [{"role": "user", "content": "Go on."}]
+        reply = await chat.chat(messages)
+        await chat.chat([*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}])
+
+    asyncio.run(go())
+    calls = server.pop_records("r0")
+    sample = assert_exact(flatten(calls, 100_000), calls, engine)
+    added = sample.completion_ids[len(cut) : sample.env_mask.index(1, len(cut))]
+    assert added[0] == tokenizer.eos_token_id  # the end token, whole, as an environment token

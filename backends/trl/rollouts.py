@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,23 +46,30 @@ class Sample:
 
 
 def flatten(calls: list[CallRecord], max_completion_tokens: int) -> Sample | str:
-    """One sequence from a rollout's calls, or the reason it cannot be built exactly (`inexact`, `overflow`)."""
+    """One sequence from a rollout's calls, or the reason it cannot be built exactly (`inexact`, `overflow`).
+
+    Each later call's prompt must start with the sequence so far (the server marks it `continues`; checked here on
+    the ids too). A token whose sampler log-prob is unknown gets NaN: the importance weight treats it as 1."""
     if not calls:
-        return "inexact"
-    if any(not call.continues for call in calls[1:]):
         return "inexact"
     if any(not call.sampled for call in calls):
         return "overflow"
     first = calls[0]
-    completion: list[int] = []
+    sequence = list(first.prompt_ids)
     mask: list[int] = []
     logprobs: list[float] = []
-    for call in calls:
-        added = call.prompt_ids[len(first.prompt_ids) + len(completion) :]  # empty for the first call
+    for i, call in enumerate(calls):
+        if i and not (call.continues and call.prompt_ids[: len(sequence)] == sequence):
+            return "inexact"
+        added = call.prompt_ids[len(sequence) :]  # empty for the first call
         sampled = call.completion_ids
-        completion += added + sampled
+        sampled_logprobs = call.logprobs if call.logprobs is not None else [math.nan] * len(sampled)
+        if len(sampled_logprobs) != len(sampled):
+            raise ValueError(f"the engine returned {len(sampled_logprobs)} log-probs for {len(sampled)} tokens")
+        sequence += added + sampled
         mask += [0] * len(added) + [1] * len(sampled)
-        logprobs += [0.0] * len(added) + (call.logprobs or [0.0] * len(sampled))
+        logprobs += [0.0] * len(added) + list(sampled_logprobs)
+    completion = sequence[len(first.prompt_ids) :]
     if len(completion) > max_completion_tokens:  # the server's budget prevents this; never cut a sample silently
         return "overflow"
     return Sample(first.prompt_ids, completion, mask, logprobs)

@@ -25,15 +25,17 @@ from trl import GRPOTrainer
 def importance_weights(
     trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token weights (B, T) for `mode` (see the module docstring), and the step's metrics."""
-    diff = (trainer_logps - sampler_logps) * mask
+    """Per-token weights (B, T) for `mode` (see the module docstring), and the step's metrics. A token whose sampler
+    log-prob is unknown (NaN) counts as no difference (weight 1, as TRL treats them) and is left out of the metrics."""
+    known = mask.bool() & ~torch.isnan(sampler_logps)
+    diff = torch.where(known, trainer_logps - sampler_logps, torch.zeros_like(trainer_logps))
     if mode.startswith("sequence"):
         ratio = torch.exp(diff.sum(dim=-1, keepdim=True).clamp(max=20.0)).expand_as(diff)
     else:
         ratio = torch.exp(diff.clamp(max=20.0))
     over = ratio > cap
     weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(over, 0.0)
-    model_tokens = mask.bool()
+    model_tokens = known
     n = max(1, int(model_tokens.sum()))
     delta = diff.abs()[model_tokens]
     metrics = {

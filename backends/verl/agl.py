@@ -67,7 +67,7 @@ class FailClosedDaemon(AgentModeDaemon):
     """agent-lightning's verl daemon, except that a rollout without a reward (failed, or its reward missing) gives
     no training samples: agent-lightning 0.3 would fill its reward with 0 (`reward_fillna_value`) and train on it.
     With no triplets the daemon skips the rollout, so it is neither trained nor part of its group's baseline; it is
-    counted in `training/n_excluded_rollouts`."""
+    counted in `training/n_excluded_rollouts`, and `training/reward` is the mean over the rollouts with a reward."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,7 +81,10 @@ class FailClosedDaemon(AgentModeDaemon):
         return legacy
 
     def get_train_data_batch(self, *args: Any, **kwargs: Any) -> Any:
+        rewards = [r.final_reward for r in self._completed_rollouts_v0.values() if r.final_reward is not None]
         batch, metrics = super().get_train_data_batch(*args, **kwargs)
+        # agent-lightning's own mean counts the excluded rollouts as 0
+        metrics["training/reward"] = sum(rewards) / len(rewards) if rewards else float("nan")
         metrics["training/n_excluded_rollouts"] = self.excluded
         return batch, metrics
 
