@@ -7,7 +7,7 @@ EXTRAS := trl,analysis,wandb,dev
 VERL_VENV := .venv-verl
 VERL_BIN := $(VERL_VENV)/bin
 
-.PHONY: setup setup-verl run test lint
+.PHONY: setup setup-verl run test test-fast lint
 setup: $(VENV)/.installed
 
 setup-verl: $(VERL_VENV)/.installed
@@ -31,6 +31,10 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The edit loop: unit tests only (no `integration`, `slurm` or `verl` marker), under 2 minutes.
+test-fast: setup
+	$(BIN)/python -m pytest -m "not integration and not slurm and not verl"
 
 # The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl.
 test: lint setup-verl

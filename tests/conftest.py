@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -92,23 +92,38 @@ def run_eval(app: FastAPI, args: list[str], cache: Path, output: Path) -> tuple[
     return json.loads((run_dir / "eval" / "summary.json").read_text()), run_dir
 
 
-def free_port() -> int:
+def closed_port() -> int:
+    """A loopback port nothing listens on, for "the server is down" cases (bound to find one, then released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.05) -> None:
+    """Wait until `condition()` is true; after `timeout_s` (a hang guard, not a measurement) fail saying what for."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
 @contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Serve `app` on a loopback port in a thread; yields its `/v1` base URL and stops it afterwards."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+def serve(app: FastAPI, startup_timeout_s: float = 60.0) -> Iterator[str]:
+    """Serve `app` on loopback in a thread; yields its `/v1` base URL and stops it afterwards. The socket is bound
+    here to port 0 and handed to uvicorn, so no other process can take the port between choosing and binding it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.02)
     try:
+        wait_for(lambda: server.started or not thread.is_alive(), startup_timeout_s, f"the test server on port {port}")
+        if not server.started:
+            raise RuntimeError(f"the test server on port {port} stopped before it started")
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+        sock.close()

@@ -66,6 +66,7 @@ def files_under(*roots: Path) -> list[Path]:
     return [p for root in roots for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
 
 
+@pytest.mark.integration
 def test_a_tiny_grid_goes_from_launch_to_report(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -114,6 +114,7 @@ def test_a_mistyped_key_fails_at_composition() -> None:
         compose_with("finetune=lora", "finetune.rnak=8")
 
 
+@pytest.mark.integration
 def test_launch_fails_fast_on_a_bad_value_and_records_it(tmp_path: Path) -> None:
     result = launch(["finetune=lora", "finetune.rank=0"], tmp_path / "cache", tmp_path / "out")
     assert result.returncode != 0
@@ -123,11 +124,13 @@ def test_launch_fails_fast_on_a_bad_value_and_records_it(tmp_path: Path) -> None
     assert not (tmp_path / "cache" / "models").exists()  # nothing was built or loaded
 
 
+@pytest.mark.integration
 def test_launch_rejects_an_unknown_group_option(tmp_path: Path) -> None:
     result = launch(["model=qwen99"], tmp_path / "cache", tmp_path / "out")
     assert result.returncode != 0 and "model/qwen99" in result.stderr
 
 
+@pytest.mark.integration
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
     result = launch(["--cfg", "job", "model=qwen7b", "finetune=lora"], tmp_path / "cache", tmp_path / "out")
     assert result.returncode == 0, result.stderr

@@ -177,6 +177,7 @@ def test_concurrent_rollouts_write_only_their_own_copy(agent: DBBenchAgent, task
 
 
 # ---- job=eval ------------------------------------------------------------------------------------------------------
+@pytest.mark.integration
 @pytest.mark.parametrize("answers", ["gold", "wrong"])
 def test_eval_accuracy_follows_the_answers(
     answers: str, dbbench_dir: Path, cache_dir: Path, tmp_path: Path, tasks: list[dict[str, Any]]

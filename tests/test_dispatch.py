@@ -44,6 +44,7 @@ def test_the_slurm_preset_asks_for_the_resources_the_trainer_uses() -> None:
     assert default.hydra.launcher._target_.endswith("BasicLauncher")
 
 
+@pytest.mark.integration
 def test_a_failing_run_does_not_stop_a_local_sweep_and_a_rerun_only_reruns_it(cache_dir: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ["-m", *QUICK, "+job.fail=false,true", "seed=0,1", f"hydra.sweep.dir={sweep}"]
@@ -66,6 +67,7 @@ def test_a_failing_run_does_not_stop_a_local_sweep_and_a_rerun_only_reruns_it(ca
     assert runs[2].error_tail[-1] == "RuntimeError: asked to fail (seed=0)"
 
 
+@pytest.mark.integration
 def test_a_sweep_directory_of_another_sweep_is_not_overwritten(cache_dir: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     assert launch(["-m", *QUICK, "seed=0", f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path).returncode == 0
@@ -76,6 +78,7 @@ def test_a_sweep_directory_of_another_sweep_is_not_overwritten(cache_dir: Path, 
     assert (sweep / "0" / "summary.json").read_text() == before and executions(sweep / "0") == 1
 
 
+@pytest.mark.integration
 def test_local_parallel_runs_every_run_and_reports_the_failure(cache_dir: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ["-m", *QUICK, "+job.fail=false,true,false", "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep}"]
@@ -113,6 +116,7 @@ def test_status_reads_a_sweep_directory(tmp_path: Path, capsys: pytest.CaptureFi
     assert status_main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.integration
 def test_job_status_prints_what_analysis_status_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sweep, run_dir = local_sweep(tmp_path / "sweep"), tmp_path / "run"
     assert status_main([str(sweep)]) == 0

@@ -28,6 +28,8 @@ from experiments.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, ROOT
 from tests.local_slurm import local_cluster
 
+pytestmark = pytest.mark.slurm
+
 CHECKPOINT_1 = Path("checkpoints", "checkpoint-1", "trainer_state.json")  # written last: the checkpoint is complete
 
 # Each job: 1 CPU (2 jobs at once on 2 cores), no GPU; a time limit over 10 min, so that USR2 reads as a preemption.
@@ -161,6 +163,7 @@ def slurm_sweep(
             subprocess.run(["scancel", job["job_id"]], capture_output=True)
 
 
+@pytest.mark.integration
 def test_a_slurm_sweep_survives_a_failure_a_requeue_and_a_preemption(slurm_sweep: dict[str, Any]) -> None:
     sweep_dir, output = slurm_sweep["sweep_dir"], slurm_sweep["output"]
     first = slurm_sweep["first_status"]
@@ -187,6 +190,7 @@ def test_a_slurm_sweep_survives_a_failure_a_requeue_and_a_preemption(slurm_sweep
     assert statuses(sweep_dir) == {0: "completed", 1: "completed", 2: "failed", 3: "completed"}
 
 
+@pytest.mark.integration
 def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, Any]) -> None:
     sweep_dir = slurm_sweep["sweep_dir"]
     before = submitted_jobs(sweep_dir)
@@ -217,6 +221,7 @@ def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, 
     assert "algorithm.learning_rate must be > 0" in shown.stdout
 
 
+@pytest.mark.integration
 def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
     slurm_cluster: None, tmp_path: Path
 ) -> None:
@@ -238,6 +243,7 @@ def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
     assert json.loads((sweep_dir / "0" / "summary.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.integration
 def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
     slurm_cluster: None, tmp_path: Path
 ) -> None:

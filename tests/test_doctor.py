@@ -15,6 +15,7 @@ def rows(run_dir: Path) -> dict[str, dict[str, str]]:
     return {r["check"]: r for r in json.loads((run_dir / "doctor.json").read_text())}
 
 
+@pytest.mark.integration
 def test_doctor_passes_for_the_default_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = launch(["job=doctor", "job.min_free_gb=0", f"hydra.run.dir={run_dir}"], tmp_path / "cache", tmp_path)
@@ -28,6 +29,7 @@ def test_doctor_passes_for_the_default_run(tmp_path: Path) -> None:
     assert "preflight for backend=trl" in result.stdout
 
 
+@pytest.mark.integration
 def test_doctor_fails_for_backend_verl_without_its_venv(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["job=doctor", "backend=verl", "model=qwen25_coder_1_5b", f"hydra.run.dir={run_dir}"]
@@ -40,6 +42,7 @@ def test_doctor_fails_for_backend_verl_without_its_venv(tmp_path: Path) -> None:
     assert summary["status"] == "failed" and "agentlightning" in summary["error"]
 
 
+@pytest.mark.integration
 def test_doctor_fails_on_a_missing_model_path(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["job=doctor", "job.min_free_gb=0", f"model.path={tmp_path}/absent", f"hydra.run.dir={run_dir}"]
@@ -48,6 +51,7 @@ def test_doctor_fails_on_a_missing_model_path(tmp_path: Path) -> None:
     assert rows(run_dir)["model"]["status"] == "FAIL" and "does not exist" in rows(run_dir)["model"]["fix"]
 
 
+@pytest.mark.integration
 def test_validate_outside_the_verl_venv_names_it(tmp_path: Path) -> None:
     result = launch(["job=validate", "backend=verl", "model=qwen25_coder_1_5b"], tmp_path / "cache", tmp_path)
     assert result.returncode != 0

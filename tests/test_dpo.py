@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import FAST_RUN, launch
 
 
+@pytest.mark.integration
 def test_dpo_widens_the_margin(cache_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     result = launch(["job=dpo", *FAST_RUN, "job.steps=30", f"hydra.run.dir={run}"], cache_dir, tmp_path)

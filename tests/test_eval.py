@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, HTTPException
 
-from tests.conftest import FAST_RUN, free_port, launch, run_eval, serve
+from tests.conftest import FAST_RUN, closed_port, launch, run_eval, serve
 
 FAILING_QUESTION_INDEX = 1  # the server answers this dev question with HTTP 500
 
@@ -52,6 +52,7 @@ def server(spider_mini_dir: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.mark.integration
 def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["job=eval", *FAST_RUN, f"endpoint.base_url={server}", "endpoint.concurrency=3"]
@@ -66,6 +67,7 @@ def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cach
     assert all(r["reward"] == 1.0 for i, r in enumerate(records) if i != FAILING_QUESTION_INDEX)
 
 
+@pytest.mark.integration
 def test_eval_limit(server: str, cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = ["job=eval", *FAST_RUN, f"endpoint.base_url={server}", "endpoint.limit=1"]
@@ -74,14 +76,16 @@ def test_eval_limit(server: str, cache_dir: Path, tmp_path: Path) -> None:
     assert json.loads((run_dir / "eval" / "summary.json").read_text())["n"] == 1
 
 
+@pytest.mark.integration
 def test_an_unreachable_endpoint_fails_before_any_task(cache_dir: Path, tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{free_port()}/v1"
+    url = f"http://127.0.0.1:{closed_port()}/v1"
     result = launch(["job=eval", *FAST_RUN, f"endpoint.base_url={url}"], cache_dir, tmp_path)
     assert result.returncode != 0
     assert f"endpoint.base_url={url} is not reachable" in result.stderr + result.stdout
     assert not list(tmp_path.rglob("records.jsonl"))
 
 
+@pytest.mark.integration
 def test_eval_of_wrong_sql_scores_zero(cache_dir: Path, tmp_path: Path) -> None:
     from agent.scripted import say, scripted_app
 

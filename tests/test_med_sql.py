@@ -172,6 +172,7 @@ def wrong_script(messages: list[dict[str, Any]]) -> Reply:
     return say(last_tool_output(messages))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("answers", ["gold", "wrong"])
 def test_eval_accuracy_follows_the_answers(answers: str, med_qa_dir: Path, cache_dir: Path, tmp_path: Path) -> None:
     tasks = med_qa.load_split(med_qa_dir, "val")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -80,23 +81,30 @@ def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
 
 
 def test_rollouts_that_start_one_by_one_still_share_one_generate_call(tiny) -> None:
-    # No count of active rollouts: the batch starts once no request has come for batch_wait_s. Requests 0.4 s apart
-    # span 1.2 s, longer than the wait (1 s), and still make one batch: each arrival restarts the wait.
-    server = server_for(tiny, batch_wait_s=1.0)
-    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 4}) for i in range(5)]
+    """No count of active rollouts: a batch starts once no request has come for batch_wait_s, and each arrival restarts
+    that wait. Checked on the events (the wait's timer, the batch's members), not on a clock: the wait is long enough
+    that it never runs out in the test; the test ends it itself once every request is in."""
+    server = server_for(tiny, batch_wait_s=3600.0)
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 4}) for i in range(4)]
+    timers: list[Any] = []
 
-    async def run_all() -> int:
-        await chats[0].chat([{"role": "user", "content": "Hi"}])  # the client's one-off start-up, before timing
-        before = server.generate_calls
+    async def run_all() -> None:
+        calls = []
+        for chat in chats:  # one by one: each request is pending before the next is sent
+            calls.append(asyncio.create_task(chat.chat([{"role": "user", "content": "Hi"}])))
+            for _ in range(100_000):  # a bound on event-loop turns, not on time
+                if len(server._pending) == len(calls):
+                    break
+                await asyncio.sleep(0)
+            assert len(server._pending) == len(calls), "a request never reached the batcher"
+            timers.append(server._timer)
+        assert server.generate_calls == 0  # nobody started a batch: the wait restarted with every arrival
+        server._start_batch()  # what the last timer would do once the wait ran out
+        await asyncio.gather(*calls)
 
-        async def one(delay: float, chat: OpenAIChat) -> None:
-            await asyncio.sleep(delay)
-            await chat.chat([{"role": "user", "content": "Hi"}])
-
-        await asyncio.gather(*(one(0.4 * i, c) for i, c in enumerate(chats[1:])))
-        return server.generate_calls - before
-
-    assert asyncio.run(run_all()) == 1
+    asyncio.run(run_all())
+    assert all(t is not None for t in timers) and all(t.cancelled() for t in timers[:-1])
+    assert server.generate_calls == 1 and all(len(server.pop_records(f"r{i}")) == 1 for i in range(4))
 
 
 def test_a_spent_response_budget_ends_the_rollout_with_length_and_its_sample_is_refused(tiny) -> None:

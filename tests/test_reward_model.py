@@ -13,7 +13,7 @@ from agent.trajectory import Trajectory
 from data.preferences import PreferenceError, convert, sql_pairs
 from experiments.reward_model import load_reward_model
 from rewards.reward_model import RewardModelReward, Scorer, create_app
-from tests.conftest import FAST_RUN, free_port, launch, serve
+from tests.conftest import FAST_RUN, closed_port, launch, serve
 
 TRAIN = ["job=reward_model_train", *FAST_RUN, "job.steps=150", "job.eval_pairs=60"]
 
@@ -41,12 +41,14 @@ def trained(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     return out / "run", json.loads((out / "run" / "summary.json").read_text())
 
 
+@pytest.mark.integration
 def test_training_learns_to_prefer_correct_sql(trained: tuple[Path, dict]) -> None:
     _, summary = trained
     assert summary["status"] == "completed" and summary["steps"] == 150
     assert summary["pairwise_accuracy_held_in"] >= 0.8
 
 
+@pytest.mark.integration
 def test_served_model_scores_correct_above_incorrect(trained: tuple[Path, dict], spider_mini_dir: Path) -> None:
     run, _ = trained
     model, tokenizer = load_reward_model(run / "checkpoints" / "final")
@@ -81,9 +83,10 @@ def test_served_model_scores_correct_above_incorrect(trained: tuple[Path, dict],
         assert reward(task, Trajectory(final_sql=pairs[0]["chosen"])) == pytest.approx(
             replies[0]["chosen_score"], abs=1e-4
         )
-    assert RewardModelReward(base_url=f"http://127.0.0.1:{free_port()}")(task, Trajectory(final_sql="x")) is None
+    assert RewardModelReward(base_url=f"http://127.0.0.1:{closed_port()}")(task, Trajectory(final_sql="x")) is None
 
 
+@pytest.mark.integration
 def test_lora_reward_model_merges_into_a_standalone_model(cache_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "lora"
     args = [*TRAIN, "job.steps=5", "finetune=lora", "finetune.rank=8", f"hydra.run.dir={run}"]

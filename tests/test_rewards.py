@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,19 +20,20 @@ from agent.trajectory import Trajectory
 from rewards.hybrid import Hybrid
 from rewards.llm_judge import LLMJudge, parse_score
 from rewards.rule import ExecutedSQL
-from tests.conftest import ROOT, free_port, serve
+from tests.conftest import ROOT, closed_port, serve
 
 TASK = {"question": "What treats a headache?", "answer": "Ibuprofen."}
 
 
-def judge_app(replies: list[str], delay_s: float = 0.0) -> tuple[FastAPI, list[dict]]:
-    """A judge that answers with `replies` in turn (the last one repeats), after `delay_s`."""
+def judge_app(replies: list[str], hold: threading.Event | None = None) -> tuple[FastAPI, list[dict]]:
+    """A judge that answers with `replies` in turn (the last one repeats); with `hold`, only once it is set."""
     app, seen = FastAPI(), []
 
     @app.post("/v1/chat/completions")
     def complete(body: dict[str, Any]) -> dict[str, Any]:
         seen.append(body)
-        time.sleep(delay_s)
+        if hold is not None:
+            hold.wait(60)
         content = replies[min(len(seen), len(replies)) - 1]
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -91,15 +92,17 @@ def test_never_readable_is_missing_not_zero() -> None:
 
 
 def test_a_slow_judge_times_out_to_missing() -> None:
-    app, _ = judge_app(["SCORE: 1"], delay_s=2.0)
+    hold = threading.Event()  # the judge answers only after the reward returned: None can only come from the timeout
+    app, _ = judge_app(["SCORE: 1"], hold)
     with serve(app) as url:
-        start = time.monotonic()
-        assert judge(url, timeout_s=0.3, retries=1)(TASK, Trajectory(answer="x")) is None
-        assert time.monotonic() - start < 1.9
+        try:
+            assert judge(url, timeout_s=0.3, retries=1)(TASK, Trajectory(answer="x")) is None
+        finally:
+            hold.set()
 
 
 def test_a_down_judge_is_missing() -> None:
-    reward = judge(f"http://127.0.0.1:{free_port()}/v1", retries=1)
+    reward = judge(f"http://127.0.0.1:{closed_port()}/v1", retries=1)
     assert reward(TASK, Trajectory(answer="x")) is None
 
 
@@ -111,7 +114,7 @@ def test_hybrid_is_rule_plus_judge_and_missing_when_the_judge_is() -> None:
         hybrid: Hybrid = instantiate(cfg.reward)
         ran = Trajectory(final_sql="SELECT 1", last_execution_ok=True, answer="Ibuprofen.")
         assert hybrid(TASK, ran) == pytest.approx(0.6)
-    down = Hybrid(terms={"rule": ExecutedSQL(), "judge": judge(f"http://127.0.0.1:{free_port()}/v1", retries=0)})
+    down = Hybrid(terms={"rule": ExecutedSQL(), "judge": judge(f"http://127.0.0.1:{closed_port()}/v1", retries=0)})
     assert down(TASK, ran) is None
 
 
@@ -133,6 +136,7 @@ def test_a_missing_reward_stays_missing_through_the_rollout_loop() -> None:
 
     summary, rollouts = asyncio.run(evaluate(OneCallAgent(), tasks, lambda i: chats[i], flaky_judge))
     assert [r.reward for r in rollouts] == [0.7, None] and all(r.error is None for r in rollouts)
+    assert [r.failure for r in rollouts] == [None, "reward_error"]  # training excludes it
     assert summary.missing == 1 and summary.accuracy == pytest.approx(0.7)
 
 

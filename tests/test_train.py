@@ -15,6 +15,7 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.integration
 def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # Qwen3's template (thinking on): the check step's user turns follow replies, token in, token out
@@ -59,6 +60,7 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert state["global_step"] == 3
 
 
+@pytest.mark.integration
 def test_grpo_without_a_warm_start(cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = launch([*FAST_RUN, "warmstart=none", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
@@ -69,6 +71,7 @@ def test_grpo_without_a_warm_start(cache_dir: Path, tmp_path: Path) -> None:
     assert not (run_dir / "checkpoints" / "sft").exists()
 
 
+@pytest.mark.integration
 def test_grpo_with_lora_saves_an_adapter(cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = launch([*FAST_RUN, "finetune=lora", "finetune.rank=8", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
@@ -77,6 +80,7 @@ def test_grpo_with_lora_saves_an_adapter(cache_dir: Path, tmp_path: Path) -> Non
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.integration
 def test_a_two_seed_sweep_gives_one_run_directory_each(cache_dir: Path, tmp_path: Path) -> None:
     result = launch(["-m", "model=tiny", "seed=0,1", *FAST_RUN], cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,6 +98,7 @@ OTHER_AGENTS = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("agent", sorted(OTHER_AGENTS))
 def test_grpo_runs_every_agent(agent: str, cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

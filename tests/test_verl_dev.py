@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import pytest
 from fastapi import FastAPI
 
 from data import med_qa, spider_mini
-from tests.conftest import free_port, launch, serve
+from tests.conftest import closed_port, launch, serve, wait_for
 
 pytestmark = pytest.mark.verl
 
@@ -100,23 +101,33 @@ def server(cache: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
 
 @pytest.fixture
 def external_store() -> Iterator[str]:
-    """agent-lightning's store as its own process (`agl store`), as on a cluster."""
-    port = free_port()
+    """agent-lightning's store as its own process (`agl store`), as on a cluster. `agl store` takes a port number, not
+    a socket: a port taken between choosing and binding makes the process exit, and another port is tried."""
     env = os.environ | {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     agl = Path(sys.executable).parent / "agl"
-    process = subprocess.Popen([agl, "store", "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    for _attempt in range(3):
+        port = closed_port()
+        process = subprocess.Popen([agl, "store", "--port", str(port)], env=env, stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            up = partial(started_or_exited, process, url)
+            wait_for(up, 120, f"agl store on port {port} to answer")
+            if process.poll() is None:
+                yield url
+                return
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    raise RuntimeError("agl store exited at start three times (ports taken?)")
+
+
+def started_or_exited(process: subprocess.Popen[bytes], url: str) -> bool:
+    if process.poll() is not None:
+        return True
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/v1/agl/health", timeout=1.0).is_success:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+        return httpx.get(f"{url}/v1/agl/health", timeout=1.0).is_success
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.mark.parametrize("agent", AGENTS)

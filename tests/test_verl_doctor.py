@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, launch
+from tests.conftest import closed_port, launch
 
 pytestmark = pytest.mark.verl
 
 
 def test_doctor_in_the_verl_venv(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    store = f"http://127.0.0.1:{free_port()}"
+    store = f"http://127.0.0.1:{closed_port()}"
     args = ["job=doctor", "backend=verl", "model=qwen25_coder_1_5b", "finetune=lora", "job.min_free_gb=0"]
     result = launch([*args, f"backend.store_address={store}", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
     assert result.returncode != 0
