@@ -111,4 +111,6 @@ def test_grpo_runs_every_agent(agent: str, cache_dir: Path, tmp_path: Path) -> N
     metrics = metrics_of(run_dir)
     assert all(m["rollout/agent_error_rate"] == 0.0 for m in metrics[1:])
     # token in, token out holds for every agent: no call restarted its rollout's sequence
-    assert all(m["rollout/discontinuous_rate"] == 0.0 and m["rollout/excluded_inexact_rate"] == 0.0 for m in metrics[1:])
+    assert all(
+        m["rollout/discontinuous_rate"] == 0.0 and m["rollout/excluded_inexact_rate"] == 0.0 for m in metrics[1:]
+    )
