@@ -26,7 +26,7 @@ import pandas as pd
 from scipy import stats
 
 from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load
-from experiments.run_dir import is_factor, override_key
+from foundation.run_dir import is_factor, override_key
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

@@ -16,7 +16,7 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.run_dir import override_key, sweep_overrides
+from foundation.run_dir import override_key, sweep_overrides
 
 COMPLETED, FAILED, UNFINISHED, NOT_STARTED = "completed", "failed", "unfinished", "not started"
 WANDB_PREFIX = "wandb:"

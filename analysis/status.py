@@ -20,9 +20,9 @@ from typing import Any
 from omegaconf import DictConfig
 from submitit.core.utils import JobPaths
 
-from experiments.config import ConfigError
-from experiments.run_dir import RunDir
 from experiments.sweep import QUEUED_STATES, RUNNING_STATES, read_summary, slurm_states, submitted_jobs
+from foundation.errors import ConfigError
+from foundation.run_dir import RunDir
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 from agent.rollout import Agent, Reward
 from backends.algorithm import GRPO
 from data.spider import SpiderData
-from experiments.run_dir import RunDir
+from foundation.run_dir import RunDir
 from models.finetune import Full, LoRA
 from models.hub import HubModel
 

@@ -14,14 +14,12 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from foundation.errors import ConfigError
+
 COMPONENT_GROUPS = ("model", "finetune", "algorithm", "agent", "reward", "data", "backend", "warmstart", "endpoint")
 
 
 HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message starts with the key."""
 
 
 def check_schema(group: str, node: DictConfig) -> None:

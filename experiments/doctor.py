@@ -24,8 +24,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from backends.verl.settings import NEEDS_VENV
-from experiments.config import ConfigError, build_components
-from experiments.run_dir import RunDir
+from experiments.config import build_components
+from foundation.errors import ConfigError
+from foundation.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE_BACKENDS = ("verl", "dev")

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 
 from experiments.preference import device, prepare, save_final, trainer_args
-from experiments.run_dir import RunDir
+from foundation.run_dir import RunDir
 
 
 @torch.no_grad()

@@ -23,8 +23,8 @@ from hydra.utils import get_method
 from omegaconf import DictConfig
 
 from experiments.config import build_group
-from experiments.run_dir import RunDir, git_commit
 from experiments.sweep import completed_run
+from foundation.run_dir import RunDir, git_commit
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 

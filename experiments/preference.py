@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase, TrainingArguments
 
 from data.preferences import convert, read_jsonl, sql_pairs
 from experiments.config import build_components
-from experiments.run_dir import RunDir
+from foundation.run_dir import RunDir
 
 Args = TypeVar("Args", bound=TrainingArguments)
 

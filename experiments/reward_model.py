@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
 from experiments.preference import device, prepare, save_final, trainer_args
-from experiments.run_dir import RunDir
+from foundation.run_dir import RunDir
 from rewards.reward_model import Scorer, create_app
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.run_dir import RunDir, is_factor, override_key, sweep_overrides
+from foundation.run_dir import RunDir, is_factor, override_key, sweep_overrides
 
 MODES = ("auto", "online", "offline", "disabled")
 # summary.json keys mirrored into the W&B run summary.

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from backends.setup import TrainSetup
 from experiments.config import build_components
-from experiments.run_dir import RunDir
+from foundation.run_dir import RunDir
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:

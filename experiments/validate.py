@@ -7,8 +7,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import ConfigError, build_components
-from experiments.run_dir import RunDir
+from experiments.config import build_components
+from foundation.errors import ConfigError
+from foundation.run_dir import RunDir
 
 
 def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from experiments.run_dir import RunDir
+from foundation.run_dir import RunDir
 
 
 def quick(cfg: DictConfig, run: RunDir) -> dict[str, Any]:

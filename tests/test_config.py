@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from experiments.config import ConfigError, build_components
+from experiments.config import build_components
+from foundation.errors import ConfigError
 from tests.conftest import ROOT, launch
 
 CONF = ROOT / "conf"

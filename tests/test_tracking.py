@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.config import ConfigError, build_group
+from experiments.config import build_group
 from experiments.tracking import WandbLogger, env_free_config, swept_keys
+from foundation.errors import ConfigError
 from tests.test_config import compose_with
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config import ConfigError
 from experiments.validate import verl_config
+from foundation.errors import ConfigError
 from tests.conftest import launch
 from tests.verl_helpers import AGENTS, FINETUNES, MODELS, compose_config
 

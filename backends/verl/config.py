@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from backends.algorithm import GRPO
 from backends.verl.settings import NEEDS_VENV, VerlBackend
-from experiments.config import ConfigError
+from foundation.errors import ConfigError
 from models.finetune import Full, LoRA
 from models.hub import HubModel
 

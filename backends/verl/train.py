@@ -23,7 +23,7 @@ from backends.verl import agl as wiring
 from backends.verl.agl import agl
 from backends.verl.config import build_verl_config, own_hydra
 from backends.verl.settings import VerlBackend
-from experiments.config import ConfigError
+from foundation.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
