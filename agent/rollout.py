@@ -31,7 +31,7 @@ AGENT_ERROR, REWARD_ERROR = "agent_error", "reward_error"
 class Rollout:
     """A task, what the agent did with it, and the score it got. `failure` says why the rollout cannot be trained on:
     the agent failed (`agent_error`: it raised, or its endpoint refused a call) or its reward did (`reward_error`:
-    raised or timed out; the reward is then None)."""
+    raised, timed out or returned None; the reward is then None)."""
 
     task: dict[str, Any]
     trajectory: Trajectory

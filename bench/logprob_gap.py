@@ -36,27 +36,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Q
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.rollout_speed import SHAPES as ROLLOUT_SHAPES  # noqa: E402  (after the path)
+
+# The Qwen3-0.6B shapes of bench/rollout_speed.py: the real one, and its tiny stand-in for CPU.
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3_0_6b": {
-        "vocab_size": 151936,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "tie_word_embeddings": True,
-    },
-    "tiny": {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "tie_word_embeddings": True,
-    },
+    name: {k: v for k, v in ROLLOUT_SHAPES[size]["qwen3_0_6b"].items() if k != "cls"}
+    for name, size in (("qwen3_0_6b", "real"), ("tiny", "tiny"))
 }
 NO_TOKEN = 2**31 - 1  # an eos id no token has: every row generates its whole budget
 

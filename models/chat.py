@@ -32,8 +32,15 @@ CHAT_TEMPLATES = ("qwen25", "qwen3", "llama3")
 TOOL_CALL_FORMATS = ("hermes", "llama3_json")
 # A reply text that no real conversation holds: where the delta of new messages starts in a rendering.
 _MARK = "<<arl:assistant-turn-end>>"
+# The conversation a delta is rendered after: the marker's turn ends just before the new messages.
+_BASE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _MARK}]
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
+
+
+def check_tool_call_format(name: str) -> None:
+    if name not in TOOL_CALL_FORMATS:
+        raise ValueError(f"model.tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}; got {name!r}")
 
 
 def chat_template(name: str) -> str:
@@ -90,10 +97,7 @@ class ChatFormat:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking for Qwen3
 
     def __post_init__(self) -> None:
-        if self.tool_call_format not in TOOL_CALL_FORMATS:
-            raise ValueError(
-                f"model.tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}; got {self.tool_call_format!r}"
-            )
+        check_tool_call_format(self.tool_call_format)
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation_prompt: bool = True
@@ -114,13 +118,9 @@ class ChatFormat:
         return self.encode(self.render(messages, tools))
 
     @cached_property
-    def _base(self) -> list[dict[str, Any]]:
-        return [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _MARK}]
-
-    @cached_property
     def turn_end(self) -> str:
         """What the template writes after an assistant turn's content (`<|im_end|>\\n` for Qwen)."""
-        text = self.render(self._base, None, generation_prompt=False)
+        text = self.render(_BASE, None, generation_prompt=False)
         return text[text.index(_MARK) + len(_MARK) :]
 
     def continuation_ids(
@@ -134,7 +134,7 @@ class ChatFormat:
         that was not sampled, the new messages, and the generation prompt. `stopped`: the reply ended with an end
         token the model sampled (its text, e.g. `<|im_end|>`, then starts the end of turn); otherwise (cut by length)
         the whole end of turn is added."""
-        text = self.render([*self._base, *new_messages], tools)
+        text = self.render([*_BASE, *new_messages], tools)
         start = text.index(_MARK) + len(_MARK)
         if not text.startswith(self.turn_end, start):
             raise ValueError("the chat template ends an assistant turn differently when messages follow it")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from models.chat import TOOL_CALL_FORMATS, ChatFormat
+from models.chat import ChatFormat, check_tool_call_format
 
 
 @dataclass
@@ -63,11 +63,6 @@ class HubModel:
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=self.attn_implementation, local_files_only=_offline()
         ).to(device)
-
-
-def check_tool_call_format(name: str) -> None:
-    if name not in TOOL_CALL_FORMATS:
-        raise ValueError(f"model.tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}; got {name!r}")
 
 
 def _offline() -> bool:

@@ -17,8 +17,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from models.chat import chat_template
-from models.hub import HubModel, check_tool_call_format
+from models.chat import chat_template, check_tool_call_format
+from models.hub import HubModel
 
 BUILD_VERSION = 2
 

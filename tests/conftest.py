@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -53,20 +54,17 @@ def dbbench_dir(cache_dir: Path) -> Path:
     return dbbench.generate(cache_dir / "dbbench", seed=0, n=28)
 
 
-def micro_tiny(cache_dir: Path) -> TinyModel:
-    """A tiny model smaller still than `model=tiny` (2 layers x 32, 300 tokens), for unit tests."""
-    return TinyModel(
-        name="tiny",
-        hub_id=None,
-        path=None,
-        context_length=512,
-        tool_call_format="hermes",
-        cache_dir=str(cache_dir),
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-    )
+def micro_tiny(cache_dir: Path, **fields: Any) -> TinyModel:
+    """A tiny model smaller still than `model=tiny` (2 layers x 32, 300 tokens), for unit tests; `fields` override."""
+    settings: dict[str, Any] = {
+        "context_length": 512,
+        "tool_call_format": "hermes",
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+    }
+    return TinyModel(name="tiny", hub_id=None, path=None, cache_dir=str(cache_dir), **(settings | fields))
 
 
 def launch(args: list[str], cache: Path, output: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:

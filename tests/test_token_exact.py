@@ -23,8 +23,7 @@ from backends.policy_server import PolicyServer
 from backends.trl.rollouts import Sample, flatten
 from experiments.config import build_components
 from models.chat import ChatFormat
-from models.tiny import TinyModel
-from tests.conftest import ROOT
+from tests.conftest import ROOT, micro_tiny
 
 # (chat template, enable_thinking, tool-call format)
 TEMPLATES = [
@@ -72,19 +71,7 @@ def parts(agent: str, data_dir: Path) -> dict[str, Any]:
 
 
 def tiny_with(template: str, cache: Path, corpus: list[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    spec = TinyModel(
-        name="tiny",
-        hub_id=None,
-        path=None,
-        context_length=4096,
-        tool_call_format="hermes",
-        cache_dir=str(cache),
-        vocab_size=400,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        chat_template=template,
-    )
+    spec = micro_tiny(cache, context_length=4096, vocab_size=400, num_hidden_layers=1, chat_template=template)
     source = spec.prepare(corpus)
     return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
 

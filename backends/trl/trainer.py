@@ -35,14 +35,13 @@ def importance_weights(
         ratio = torch.exp(diff.clamp(max=20.0))
     over = ratio > cap
     weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(over, 0.0)
-    model_tokens = known
-    n = max(1, int(model_tokens.sum()))
-    delta = diff.abs()[model_tokens]
+    n = max(1, int(known.sum()))
+    delta = diff.abs()[known]
     metrics = {
         "sampling/logp_diff/mean": float(delta.sum()) / n,
         "sampling/logp_diff/max": float(delta.max()) if delta.numel() else 0.0,
-        "sampling/is_ratio/mean": float(ratio[model_tokens].sum()) / n,
-        "sampling/is_ratio/clipped_frac": float(over[model_tokens].sum()) / n,
+        "sampling/is_ratio/mean": float(ratio[known].sum()) / n,
+        "sampling/is_ratio/clipped_frac": float(over[known].sum()) / n,
     }
     return weights * mask, metrics
 
