@@ -3,8 +3,10 @@
 As there, with its defaults (`keep_distinct=False`, `plug_value=False`): `> =`-style spacing is repaired, DISTINCT
 is removed from both queries, results are compared as bags of rows, in order only when the gold query has ORDER BY,
 and columns match up to a permutation. Unlike there, both queries run through the read-only SQL tool, so a query is
-stopped inside SQLite at its time limit and can never change the database; and the gold result is cached per
-(database, gold query), since GRPO scores a whole group of rollouts against the same gold.
+stopped inside SQLite at its limits and can never change the database; a predicted query that cannot be parsed,
+normalised or compared within bounds (longer than the tool's SQL limit, past sqlparse's token or depth limits, more
+column permutations than `MAX_PERMUTATION_WORK` allows) scores 0 instead of raising; and the gold result is cached
+per (database, gold query), since GRPO scores a whole group of rollouts against the same gold.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import product
 from pathlib import Path
 from typing import Any
 
 import sqlparse
+from sqlparse.exceptions import SQLParseError
 
-from agent.sql_tool import SQLResult, run_query
+from agent.sql_tool import MAX_SQL_CHARS, SQLResult, run_query
 from agent.trajectory import Trajectory
 
 _MAX_ROWS = 100_000
+MAX_PERMUTATION_WORK = 2_000_000  # search steps + rows compared over the column permutations tried; past it: no match
 
 
 def normalize(sql: str) -> str:
@@ -37,8 +40,12 @@ def _unorder_row(row: tuple) -> tuple:
     return tuple(sorted(row, key=lambda x: str(x) + str(type(x))))
 
 
-def _column_permutations(result1: list[tuple], result2: list[tuple]) -> Iterator[tuple[int, ...]]:
-    """Candidate orders of result2's columns; above 3 columns, pruned by values seen in sampled rows (as upstream)."""
+def _column_permutations(result1: list[tuple], result2: list[tuple], budget: list[int]) -> Iterator[tuple[int, ...]]:
+    """Candidate orders of result2's columns; above 3 columns, pruned by values seen in sampled rows (as upstream).
+
+    Upstream walks `product(*allowed)` and skips the tuples that repeat a column. This yields the same permutations
+    (identity first) by extending only with allowed, unused columns, and stops when `budget[0]` (decremented per
+    step taken, shared with the caller) runs out."""
     num_cols = len(result2[0])
     allowed = [set(range(num_cols)) for _ in range(num_cols)]
     if num_cols > 3:
@@ -47,7 +54,23 @@ def _column_permutations(result1: list[tuple], result2: list[tuple]) -> Iterator
             row = random.choice(result2)
             for col in range(num_cols):
                 allowed[col] = {c for c in allowed[col] if row[c] in column_values[col]}
-    return product(*allowed)
+    order = [sorted(a) for a in allowed]
+    prefix: list[int] = []
+
+    def extend(i: int) -> Iterator[tuple[int, ...]]:
+        if i == num_cols:
+            yield tuple(prefix)
+            return
+        for c in order[i]:
+            budget[0] -= 1
+            if budget[0] < 0:
+                return
+            if c not in prefix:
+                prefix.append(c)
+                yield from extend(i + 1)
+                prefix.pop()
+
+    return extend(0)
 
 
 def results_match(result1: list[tuple], result2: list[tuple], order_matters: bool) -> bool:
@@ -62,9 +85,11 @@ def results_match(result1: list[tuple], result2: list[tuple], order_matters: boo
         return False
     if not order_matters and set(unordered1) != set(unordered2):
         return False
-    for perm in _column_permutations(result1, result2):
-        if len(set(perm)) != len(perm):
-            continue
+    budget = [MAX_PERMUTATION_WORK]  # spent by the search and by every comparison; exhausted: no match
+    for perm in _column_permutations(result1, result2, budget):
+        budget[0] -= len(result2)
+        if budget[0] < 0:
+            return False
         permuted = result2 if len(perm) == 1 else [tuple(row[i] for i in perm) for row in result2]
         if order_matters:
             if result1 == permuted:
@@ -106,9 +131,13 @@ def execution_match(predicted_sql: str, gold_sql: str, db_path: str | Path, *, t
 
     Raises ValueError when the gold query itself fails (the official evaluator asserts).
     """
-    if not predicted_sql or not predicted_sql.strip():
+    if not predicted_sql or not predicted_sql.strip() or len(predicted_sql) > MAX_SQL_CHARS:
         return 0.0
-    gold_sql, predicted_sql = normalize(gold_sql), normalize(predicted_sql)
+    gold_sql = normalize(gold_sql)
+    try:
+        predicted_sql = normalize(predicted_sql)
+    except (SQLParseError, RecursionError):  # past sqlparse's token or grouping-depth limits: not a query it scores
+        return 0.0
     path = Path(db_path)
     mtime = path.stat().st_mtime_ns if path.is_file() else 0
     gold = _gold_result(str(path), gold_sql, mtime, timeout_s)
