@@ -6,8 +6,10 @@
     GET  /health
 
 Texts are scored as TRL's RewardTrainer saw them in training: prompt + response + EOS, cut to `max_length` tokens
-(from the left, keeping the response). Requests arriving together are scored in one batch. Malformed or oversized
-input is a 422 with the reason.
+(from the left, keeping the response). Requests arriving together are scored in one batch; if a batch fails, its
+items are scored one by one, so one bad item fails only its own request. Malformed input (a missing field, a number
+or NaN where text belongs, a lone UTF-16 surrogate, text over `MAX_TEXT_CHARS`) is a 422 with the reason, checked per
+request before batching; the reply names the field and never echoes the input.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import torch
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -28,19 +32,22 @@ from agent.trajectory import Trajectory
 MAX_TEXT_CHARS = 100_000
 
 
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]  # pydantic also refuses lone surrogates: no valid Unicode
+
+
 class ScoreRequest(BaseModel):
-    prompt: str = Field(max_length=MAX_TEXT_CHARS)
-    response: str = Field(max_length=MAX_TEXT_CHARS)
+    prompt: Text
+    response: Text
 
 
 class PairRequest(BaseModel):
-    prompt: str = Field(max_length=MAX_TEXT_CHARS)
-    chosen: str = Field(max_length=MAX_TEXT_CHARS)
-    rejected: str = Field(max_length=MAX_TEXT_CHARS)
+    prompt: Text
+    chosen: Text
+    rejected: Text
 
 
 class RewardRequest(BaseModel):
-    query: list[str] = Field(min_length=1, max_length=1024)
+    query: list[Text] = Field(min_length=1, max_length=1024)
 
 
 class Scorer:
@@ -78,6 +85,13 @@ class Scorer:
 def create_app(scorer: Scorer, max_batch_size: int = 64, batch_wait_s: float = 0.005) -> FastAPI:
     """The HTTP API; requests that arrive within `batch_wait_s` of each other share one forward pass."""
     app = FastAPI(title="reward model")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the input, which fails to encode when it holds NaN or a surrogate (a 500).
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": errors})
+
     pending: list[tuple[str, asyncio.Future[float]]] = []
     running: set[asyncio.Task[None]] = set()  # keeps the flush tasks referenced until they finish
     flush_scheduled = False
@@ -93,8 +107,15 @@ def create_app(scorer: Scorer, max_batch_size: int = 64, batch_wait_s: float = 0
                 for (_, future), value in zip(batch, scores, strict=True):
                     future.set_result(value)
             except Exception as exc:
-                for _, future in batch:
-                    future.set_exception(exc)
+                if len(batch) == 1:
+                    batch[0][1].set_exception(exc)
+                    continue
+                for text, future in batch:  # one bad item must not fail the others: each one apart
+                    try:
+                        (value,) = await asyncio.to_thread(scorer.score_texts, [text])
+                        future.set_result(value)
+                    except Exception as item_exc:
+                        future.set_exception(item_exc)
 
     async def score_all(texts: list[str]) -> list[float]:
         nonlocal flush_scheduled
@@ -130,8 +151,6 @@ def create_app(scorer: Scorer, max_batch_size: int = 64, batch_wait_s: float = 0
 
     @app.post("/get_reward")
     async def get_reward(request: RewardRequest) -> dict[str, list[float]]:
-        if any(len(q) > MAX_TEXT_CHARS for q in request.query):
-            raise HTTPException(status_code=422, detail=f"each query must be at most {MAX_TEXT_CHARS} characters")
         return {"rewards": await score_all(list(request.query))}
 
     return app

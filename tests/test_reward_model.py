@@ -8,10 +8,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import transformers
 
 from agent.trajectory import Trajectory
 from data.preferences import PreferenceError, convert, sql_pairs
 from experiments.reward_model import load_reward_model
+from models.tiny import train_tokenizer
 from rewards.reward_model import RewardModelReward, Scorer, create_app
 from tests.conftest import FAST_RUN, closed_port, launch, serve
 
@@ -103,3 +105,91 @@ def test_lora_reward_model_merges_into_a_standalone_model(cache_dir: Path, tmp_p
     adapter_scores = Scorer(*load_reward_model(run / "checkpoints" / "final"), max_length=512).score_texts(texts)
     merged_scores = Scorer(*load_reward_model(merged), max_length=512).score_texts(texts)
     assert merged_scores == pytest.approx(adapter_scores, abs=1e-4)
+
+
+class FlakyScorer(Scorer):
+    """A scorer that fails on a marker text, as a tokenizer or model might on an input no validation foresaw."""
+
+    failed_batch_sizes: list[int]
+
+    def score_texts(self, texts: list[str]) -> list[float]:
+        if any("POISON" in t for t in texts):
+            self.failed_batch_sizes.append(len(texts))
+            raise RuntimeError("this item cannot be scored")
+        return super().score_texts(texts)
+
+
+@pytest.fixture(scope="module")
+def untrained_scorer() -> FlakyScorer:
+    tokenizer = train_tokenizer(["select name from people where age > 30", "what is the answer"], 300)
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = transformers.AutoModelForSequenceClassification.from_config(config)
+    scorer = FlakyScorer(model, tokenizer, max_length=64)
+    scorer.failed_batch_sizes = []
+    return scorer
+
+
+BAD_BODIES = {
+    "nan_literal": ("/score", '{"prompt": NaN, "response": "x"}'),
+    "infinity_literal": ("/score", '{"prompt": "q", "response": Infinity}'),
+    "lone_high_surrogate": ("/score", '{"prompt": "q", "response": "a\\ud800b"}'),
+    "lone_low_surrogate_in_list": ("/get_reward", '{"query": ["fine", "\\udfff"]}'),
+    "surrogate_in_pair": ("/score-pair", '{"prompt": "q", "chosen": "a", "rejected": "\\ud83d"}'),
+    "number_for_text": ("/score", '{"prompt": 1, "response": "x"}'),
+    "null_for_text": ("/score", '{"prompt": null, "response": "x"}'),
+    "object_for_text": ("/score", '{"prompt": {"a": 1}, "response": "x"}'),
+    "missing_field": ("/score", '{"prompt": "q"}'),
+    "not_json": ("/score", "prompt=q&response=x"),
+    "truncated_json": ("/score", '{"prompt": "q", "resp'),
+    "array_body": ("/score", '["q", "x"]'),
+    "empty_body": ("/score", ""),
+    "empty_query_list": ("/get_reward", '{"query": []}'),
+    "query_not_a_list": ("/get_reward", '{"query": "text"}'),
+    "too_many_queries": ("/get_reward", json.dumps({"query": ["x"] * 1025})),
+    "oversized_text": ("/score", json.dumps({"prompt": "q", "response": "x" * 200_000})),
+    "oversized_query": ("/get_reward", json.dumps({"query": ["x" * 200_000]})),
+}
+
+
+def test_every_bad_input_is_a_4xx_with_a_reason_and_poisons_nothing(untrained_scorer: FlakyScorer) -> None:
+    with serve(create_app(untrained_scorer, batch_wait_s=0.05)) as url:
+        base = url.removesuffix("/v1")
+        good = {"prompt": "what is the answer\n", "response": "select name from people"}
+        expected = httpx.post(f"{base}/score", json=good).json()["score"]
+        for name, (path, body) in BAD_BODIES.items():
+            reply = httpx.post(f"{base}{path}", content=body, headers={"content-type": "application/json"})
+            assert 400 <= reply.status_code < 500, (name, reply.status_code, reply.text[:300])
+            assert reply.json()["detail"], name
+        assert httpx.get(f"{base}/score").status_code == 405
+        as_json = {"content-type": "application/json"}
+        surrogate = httpx.post(f"{base}/score", content=BAD_BODIES["lone_high_surrogate"][1], headers=as_json)
+        surrogate = surrogate.json()["detail"][0]
+        assert surrogate["loc"] == ["body", "response"] and "unicode" in surrogate["msg"]
+
+        # Good and bad requests at once: only the bad ones fail, also when one slips past validation into a batch.
+        def ask(i: int) -> httpx.Response:
+            if i % 10 == 3:
+                return httpx.post(f"{base}/score", content=BAD_BODIES["lone_high_surrogate"][1], headers=as_json)
+            if i % 10 == 7:
+                return httpx.post(f"{base}/score", json={"prompt": "q", "response": "POISON"})
+            return httpx.post(f"{base}/score", json=good)
+
+        with ThreadPoolExecutor(16) as pool:
+            replies = list(pool.map(ask, range(60)))
+        for i, reply in enumerate(replies):
+            if i % 10 == 3:
+                assert reply.status_code == 422
+            elif i % 10 == 7:
+                assert reply.status_code == 500
+            else:
+                assert reply.status_code == 200 and reply.json()["score"] == pytest.approx(expected, abs=1e-5)
+        assert max(untrained_scorer.failed_batch_sizes) > 1, "no poisoned item was ever batched with others"
