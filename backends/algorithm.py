@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from foundation.schema import number, one_of
+
 # How the sampler's log-probs correct the update for the engine/trainer mismatch (truncated importance sampling):
 # per token or per sequence; ratios above the cap are clipped to it (truncate) or weighted 0 (mask).
 IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -15,59 +17,38 @@ class GRPO:
     """Group-relative policy optimisation. One step = `tasks_per_step` tasks x `group_size` rollouts each."""
 
     name: str = "grpo"
-    group_size: int = 8
-    tasks_per_step: int = 4
-    micro_batch_size: int = 8
-    learning_rate: float = 1e-6
-    kl_coef: float = 0.0
-    clip_ratio: float = 0.2
-    clip_ratio_high: float | None = None
-    temperature: float = 1.0
-    max_prompt_length: int = 2048
-    max_response_length: int = 1024
-    max_tokens_per_turn: int | None = None
-    epochs: float = 1.0
-    max_steps: int = -1
-    save_every: int = 50
-    val_every: int = 50
-    max_grad_norm: float = 1.0
-    loss_type: str = "dapo"
-    is_correction: str = "token_truncate"
-    is_cap: float = 2.0
-    reward_timeout_s: float = 60.0
+    group_size: int = number(8, ge=2)  # group-relative advantages need two rollouts at least
+    tasks_per_step: int = number(4, gt=0)
+    micro_batch_size: int = number(8, gt=0)
+    learning_rate: float = number(1e-6, gt=0)
+    kl_coef: float = number(0.0, ge=0)
+    clip_ratio: float = number(0.2, gt=0)
+    clip_ratio_high: float | None = number(None, gt=0)
+    temperature: float = number(1.0, gt=0)
+    max_prompt_length: int = number(2048, gt=0)
+    max_response_length: int = number(1024, gt=0)
+    max_tokens_per_turn: int | None = number(None, gt=0)
+    epochs: float = number(1.0, gt=0)
+    max_steps: int = number(-1, ge=-1)  # -1: as many as `epochs` make
+    save_every: int = number(50, gt=0)
+    val_every: int = number(50, gt=0)
+    max_grad_norm: float = number(1.0, gt=0)
+    loss_type: str = one_of("dapo", LOSS_TYPES)
+    is_correction: str = one_of("token_truncate", IS_CORRECTIONS)
+    is_cap: float = number(2.0, gt=1)
+    reward_timeout_s: float = number(60.0, gt=0)
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"algorithm.loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
-        if self.is_correction not in IS_CORRECTIONS:
-            raise ValueError(
-                f"algorithm.is_correction must be one of {', '.join(IS_CORRECTIONS)}; got {self.is_correction!r}"
-            )
-        if self.is_cap <= 1.0:
-            raise ValueError(f"algorithm.is_cap must be > 1, got {self.is_cap}")
-        if self.reward_timeout_s <= 0:
-            raise ValueError(f"algorithm.reward_timeout_s must be > 0, got {self.reward_timeout_s}")
-        for key in ("group_size", "tasks_per_step", "micro_batch_size", "max_prompt_length", "max_response_length"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"algorithm.{key} must be > 0, got {getattr(self, key)}")
-        if self.group_size < 2:
-            raise ValueError(f"algorithm.group_size must be >= 2 for group-relative advantages, got {self.group_size}")
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"algorithm.micro_batch_size={self.micro_batch_size} must divide the step's batch of "
                 f"tasks_per_step x group_size = {self.batch_size} sequences"
             )
-        if self.max_tokens_per_turn is not None and not 0 < self.max_tokens_per_turn <= self.max_response_length:
+        if self.max_tokens_per_turn is not None and self.max_tokens_per_turn > self.max_response_length:
             raise ValueError(
-                f"algorithm.max_tokens_per_turn must be in (0, max_response_length={self.max_response_length}], "
+                f"algorithm.max_tokens_per_turn must be <= max_response_length={self.max_response_length}, "
                 f"got {self.max_tokens_per_turn}"
             )
-        if self.learning_rate <= 0:
-            raise ValueError(f"algorithm.learning_rate must be > 0, got {self.learning_rate}")
-        if self.kl_coef < 0 or self.clip_ratio <= 0:
-            raise ValueError("algorithm.kl_coef must be >= 0 and algorithm.clip_ratio > 0")
-        if self.save_every <= 0 or self.val_every <= 0:
-            raise ValueError("algorithm.save_every and algorithm.val_every must be > 0")
 
     @property
     def batch_size(self) -> int:

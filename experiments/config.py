@@ -1,7 +1,8 @@
 """From a composed config to built components, failing before any model loads with the bad key named.
 
 Each group's `_target_` is a dataclass (or a function, for `job`). Its fields are the group's schema: unknown keys and
-wrong types are rejected by OmegaConf, ranges by the dataclass's `__post_init__`, and what spans groups here.
+wrong types are rejected by OmegaConf, ranges and choices declared on the fields (`foundation.schema`) by
+`check_values`, what spans fields by the dataclass's `__post_init__`, and what spans groups here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from foundation.errors import ConfigError
+from foundation.schema import check_values
 
 COMPONENT_GROUPS = ("model", "finetune", "algorithm", "agent", "reward", "data", "backend", "warmstart", "endpoint")
 
@@ -39,10 +41,11 @@ def check_schema(group: str, node: DictConfig) -> None:
         raise ConfigError(f"{group}.{unknown[0]} is not a key of {target} (known: {', '.join(sorted(fields))})")
     values = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in HYDRA_KEYS}
     try:
-        OmegaConf.merge(OmegaConf.structured(cls), values)
+        typed = OmegaConf.merge(OmegaConf.structured(cls), values)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
         raise ConfigError(f"{group}.{key}: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    check_values(group, cls, {k: typed[k] for k in values})
 
 
 def build_group(cfg: DictConfig, group: str) -> Any:
