@@ -1,10 +1,11 @@
-"""python -m analysis.status SWEEP_DIR [--json] [--tail N]: each run of a sweep, completed, failed, running or queued.
-The same table as a launch.py job: `python launch.py job=status job.sweep_dir=SWEEP_DIR` (conf/job/status.yaml).
+"""python -m analysis.status DIR [--json] [--tail N]: each run of a sweep, completed, failed, interrupted, running or
+queued. DIR is a sweep directory, a folder of single runs (`outputs/runs`) or one run directory. The same table as a
+launch.py job: `python launch.py job=status job.sweep_dir=DIR` (conf/job/status.yaml).
 
 Reads the run directories' `summary.json`, the jobs the SLURM launcher recorded (`jobs.jsonl`) and SLURM's view of
 them (squeue, sacct). A failed run shows the end of its error: its traceback, or the job's stderr when the job died
-without writing a summary. A local run without a summary yet is `incomplete` (running, or stopped before it wrote one:
-no scheduler to ask).
+without writing a summary; an interrupted one, where it stopped and the command that resumes it. A local run without
+a summary yet is `incomplete` (running, or stopped before it wrote one: no scheduler to ask).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from foundation.run_dir import RunDir
 
 @dataclass
 class RunStatus:
-    num: int
-    status: str  # completed | failed | running | queued | incomplete
+    num: int | str  # the run's number in a sweep, or its directory's name
+    status: str  # completed | failed | interrupted | running | queued | incomplete
     run_dir: str
     overrides: list[str] = field(default_factory=list)
     job_id: str | None = None
@@ -46,7 +47,7 @@ def _job_stderr(job: dict[str, Any]) -> str:
     return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
 
 
-def run_status(num: int, run_dir: Path, job: dict[str, Any] | None, state: str | None, tail: int) -> RunStatus:
+def run_status(num: int | str, run_dir: Path, job: dict[str, Any] | None, state: str | None, tail: int) -> RunStatus:
     summary = read_summary(run_dir)
     overrides = (summary or {}).get("overrides") or (job or {}).get("overrides") or []
     status = RunStatus(num, "incomplete", str(run_dir), overrides, job and job["job_id"], state)
@@ -56,7 +57,12 @@ def run_status(num: int, run_dir: Path, job: dict[str, Any] | None, state: str |
         status.status = "queued"
     elif state in RUNNING_STATES:
         status.status = "running"
-    elif summary is not None:  # failed, or interrupted with no job left to resume it
+    elif summary is not None and summary.get("status") == "interrupted":  # with no job left to resume it
+        status.status = "interrupted"
+        stopped = summary.get("stopped_at") or {}
+        status.error = f"{summary.get('error')} (in {stopped.get('phase')}, last step {stopped.get('step')})"
+        status.error_tail = [f"resume: {summary['resume']}"] if summary.get("resume") else []
+    elif summary is not None:
         status.status = "failed"
         status.error = summary.get("error") or summary.get("status")
         status.error_tail = _tail(summary.get("traceback") or "", tail)
@@ -67,9 +73,18 @@ def run_status(num: int, run_dir: Path, job: dict[str, Any] | None, state: str |
     return status
 
 
+def _is_run_dir(path: Path) -> bool:
+    return (path / "attempts.jsonl").is_file() or (path / "summary.json").is_file()
+
+
 def sweep_status(sweep_dir: Path, tail: int = 5) -> list[RunStatus]:
-    """The status of every run of the sweep: those with a run directory and those submitted to SLURM."""
+    """The status of every run of the sweep (those with a run directory and those submitted to SLURM); of every run
+    in a folder of single runs; or of one run directory."""
+    if _is_run_dir(sweep_dir):
+        return [run_status(sweep_dir.name, sweep_dir, None, None, tail)]
     jobs = submitted_jobs(sweep_dir)
+    if not jobs and not any(p.is_dir() and p.name.isdigit() for p in sweep_dir.iterdir()):  # outputs/runs
+        return [run_status(p.name, p, None, None, tail) for p in sorted(sweep_dir.iterdir()) if _is_run_dir(p)]
     nums = set(jobs) | {int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()}
     states = slurm_states([job["job_id"] for job in jobs.values()])
     return [
@@ -83,7 +98,7 @@ def format_status(sweep_dir: Path, runs: list[RunStatus]) -> str:
     lines = [f"{sweep_dir}: {len(runs)} runs: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
     for r in runs:
         job = f"job {r.job_id} ({r.slurm_state or 'UNKNOWN'})" if r.job_id else "local"
-        lines.append(f"{r.num:>4}  {r.status:<10}  {job:<28}  {' '.join(r.overrides)}")
+        lines.append(f"{r.num!s:>4}  {r.status:<11}  {job:<28}  {' '.join(r.overrides)}")
         if r.error:
             lines.append(f"{'':>6}{r.error}")
             lines += [f"{'':>8}| {line}" for line in r.error_tail]

@@ -1,7 +1,8 @@
 """What every job shares: its run directory, config validation, and a `summary.json` whatever happens.
 
 `summary.json` says `completed`, `failed` (an exception, with `error` and `traceback`) or `interrupted` (the process
-was told to stop: preemption, Ctrl-C; a requeued job runs again and resumes). It describes the latest attempt;
+was told to stop: SIGTERM, Ctrl-C; with `stopped_at` (the phase and last logged step), the latest complete
+`checkpoint` and the command that resumes it; a requeued job runs again and resumes). It describes the latest attempt;
 `attempts` counts the starts in this directory, one line each in `attempts.jsonl` (time, commit, host, SLURM job).
 In a sweep, a run that completed before in its directory with the same overrides is not run again.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import time
 import traceback
@@ -24,7 +26,8 @@ from omegaconf import DictConfig
 
 from experiments.config import build_group
 from experiments.sweep import completed_run
-from foundation.run_dir import RunDir, git_commit
+from foundation.interrupt import Interrupted, stop_signals
+from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 
@@ -36,6 +39,24 @@ def slurm_job_id() -> str | None:
     if "SLURM_ARRAY_JOB_ID" in env:
         return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     return env.get("SLURM_JOB_ID")
+
+
+def resume_command(hydra: DictConfig, run: RunDir) -> str:
+    """What runs an interrupted run again in its directory, where it resumes from its latest checkpoint."""
+    if hydra.mode == RunMode.MULTIRUN:
+        return f"the sweep's command again with hydra.sweep.dir={hydra.sweep.dir} (completed runs are skipped)"
+    overrides = [shlex.quote(o) for o in hydra.overrides.task if not o.startswith("hydra.run.dir=")]
+    return " ".join(["python launch.py", *overrides, f"hydra.run.dir={shlex.quote(str(run.path))}"])
+
+
+def interruption(run: RunDir, hydra: DictConfig) -> dict[str, Any]:
+    """Where an interrupted run stopped and how to go on."""
+    checkpoint = last_complete_checkpoint(run.checkpoints)
+    return {
+        "stopped_at": {"phase": run.phase, "step": run.last_step()},
+        "checkpoint": checkpoint and str(checkpoint),
+        "resume": resume_command(hydra, run),
+    }
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -64,22 +85,28 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     start = time.monotonic()
     tracker = None
     try:
-        tracker = build_group(cfg, "logger")  # logger=none: metrics.jsonl only
-        if tracker is not None:
-            tracker.start(run, cfg, hydra)
-            run.trackers.append(tracker)
-        results = job(cfg, run)
+        with stop_signals():  # SIGTERM / SIGINT: Interrupted, recorded below
+            tracker = build_group(cfg, "logger")  # logger=none: metrics.jsonl only
+            if tracker is not None:
+                tracker.start(run, cfg, hydra)
+                run.trackers.append(tracker)
+            results = job(cfg, run)
     except BaseException as exc:
+        interrupted = isinstance(exc, Interrupted | KeyboardInterrupt)
         failed = base | {
-            "status": "failed" if isinstance(exc, Exception) else "interrupted",
+            "status": "interrupted" if interrupted else "failed",
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
             "wall_s": time.monotonic() - start,
         }
+        if interrupted:
+            failed |= interruption(run, hydra)
         run.write_summary(failed)
         if tracker is not None:
             tracker.finish(failed)
-        print(f"run directory: {run.path}\nstatus: failed: {type(exc).__name__}: {exc}", flush=True)
+        print(f"run directory: {run.path}\nstatus: {failed['status']}: {type(exc).__name__}: {exc}", flush=True)
+        if interrupted:
+            print(f"resume: {failed['resume']}", flush=True)
         raise
     summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
     run.write_summary(summary)

@@ -35,6 +35,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.samples = self.path / "samples"
+        self.phase = "starting"  # what the job is doing (set by the backend): an interrupted run's summary says it
 
     @property
     def metrics_file(self) -> Path:
@@ -60,6 +61,11 @@ class RunDir:
             return []
         return [json.loads(line) for line in self.metrics_file.read_text(encoding="utf-8").splitlines() if line]
 
+    def last_step(self) -> int | None:
+        """The last step `metrics.jsonl` holds, or None."""
+        steps = [m["step"] for m in self.metrics()]
+        return max(steps) if steps else None
+
     def drop_metrics_after(self, step: int) -> None:
         """On resume from a checkpoint at `step`: forget what was logged after it, so no step appears twice."""
         kept = [m for m in self.metrics() if m["step"] <= step]
@@ -84,6 +90,17 @@ class RunDir:
         tmp = self.summary_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
         tmp.replace(self.summary_file)
+
+
+def last_complete_checkpoint(folder: Path) -> str | None:
+    """The latest `checkpoint-<step>` in `folder` that the trainer finished writing: `trainer_state.json` is written
+    last, and a job killed while saving (preemption, requeue) leaves a partial one."""
+    steps = {
+        int(p.name.split("-")[1]): p
+        for p in folder.glob("checkpoint-*")
+        if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").is_file()
+    }
+    return str(steps[max(steps)]) if steps else None
 
 
 # What a sweep may vary that is not an ablation factor (tracking tags, report tables): seeds are replicates, an

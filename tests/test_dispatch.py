@@ -18,7 +18,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 from analysis.status import main as status_main
 from analysis.status import sweep_status
 from backends import ray_cluster
-from backends.trl.backend import last_complete_checkpoint
+from foundation.run_dir import last_complete_checkpoint
 from hydra_plugins.arl_launchers import slurm_launcher
 from hydra_plugins.arl_launchers.slurm_launcher import SlurmLauncher
 from tests.conftest import ROOT, launch

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_RUN, launch
+from analysis.status import main as status_main
+from tests.conftest import FAST_RUN, ROOT, launch, wait_for
 
 
 def metrics_of(run_dir: Path) -> list[dict]:
@@ -114,3 +120,73 @@ def test_grpo_runs_every_agent(agent: str, cache_dir: Path, tmp_path: Path) -> N
     assert all(
         m["rollout/discontinuous_rate"] == 0.0 and m["rollout/excluded_inexact_rate"] == 0.0 for m in metrics[1:]
     )
+
+
+def start(args: list[str], cache: Path, output: Path) -> subprocess.Popen[bytes]:
+    """`python launch.py ARGS` in the background, as `launch` runs it; its output goes to `output`/std{out,err}."""
+    env = os.environ | {"ARL_CACHE_DIR": str(cache), "ARL_OUTPUT_DIR": str(output), "HF_HUB_OFFLINE": "1"}
+    with (output / "stdout").open("w") as out, (output / "stderr").open("w") as err:
+        return subprocess.Popen([sys.executable, "launch.py", *args], cwd=ROOT, env=env, stdout=out, stderr=err)
+
+
+def lines_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+@pytest.mark.integration
+def test_sigterm_in_grpo_checkpoints_at_the_step_end_and_the_printed_command_resumes(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = [*FAST_RUN, "algorithm.max_steps=4", "algorithm.save_every=100", f"hydra.run.dir={run_dir}"]
+    process = start(args, cache_dir, tmp_path)
+    try:
+        # Step 1 logged: training is inside step 2, where a stop waits for the step's end.
+        wait_for(lambda: len(lines_of(run_dir / "metrics.jsonl")) >= 2 or process.poll() is not None, 600, "step 1")
+        assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=600)
+    finally:
+        process.kill()
+    out = (tmp_path / "stdout").read_text()
+    assert process.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and "SIGTERM" in summary["error"]
+    assert summary["stopped_at"] == {"phase": "GRPO", "step": 2}
+    assert summary["checkpoint"] == str(run_dir / "checkpoints" / "checkpoint-2")
+    assert f"resume: {summary['resume']}" in out
+
+    status = status_main([str(run_dir)])
+    assert status == 0
+
+    command = shlex.split(summary["resume"])
+    assert command[:2] == ["python", "launch.py"]
+    result = launch(command[2:], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = json.loads((run_dir / "summary.json").read_text())
+    assert resumed["status"] == "completed" and resumed["resumed_from"] == "checkpoint-2" and resumed["steps"] == 4
+    assert [m["step"] for m in metrics_of(run_dir)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.integration
+def test_sigterm_during_the_warm_start_leaves_an_interrupted_summary_that_status_lists(
+    cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    run_dir = runs / "2026-11-24_00-00-00"
+    args = [*FAST_RUN, "warmstart.steps=100000", f"hydra.run.dir={run_dir}"]
+    process = start(args, cache_dir, tmp_path)
+    try:
+        wait_for(lambda: lines_of(run_dir / "sft_metrics.jsonl") or process.poll() is not None, 600, "SFT's first log")
+        assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["stopped_at"]["phase"] == "warm start (SFT)"
+    assert summary["checkpoint"] is None
+    capsys.readouterr()
+    assert status_main([str(runs)]) == 0  # a folder of single runs, as outputs/runs is
+    table = capsys.readouterr().out
+    assert "1 interrupted" in table and "warm start (SFT)" in table and "resume: python launch.py" in table

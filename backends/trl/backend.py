@@ -3,7 +3,8 @@
     data -> [warm-start SFT] -> validate -> GRPOTrainer(rollout_func = agent on the policy server) -> validate
 
 Checkpoints go to `<run>/checkpoints/checkpoint-<step>` (TRL's own, resumable); a run started again in the same
-directory resumes from the latest one, and `metrics.jsonl` keeps each step once.
+directory resumes from the latest one, and `metrics.jsonl` keeps each step once. A stop signal during GRPO ends the
+current step, writes a checkpoint there and stops (`foundation.interrupt`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from backends.setup import TrainSetup
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts
 from backends.trl.trainer import AgentGRPOTrainer
+from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
+from foundation.run_dir import last_complete_checkpoint
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -82,6 +85,7 @@ class TRLBackend:
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
+            phase, run.phase = run.phase, f"validation ({name})"
             server = self._server(model, tokenizer, setup)
             summary, rollouts = validate_policy(
                 setup.agent, val_tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s
@@ -89,6 +93,7 @@ class TRLBackend:
             self.engine().release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
             results[f"val_{name}"] = vars(summary)
+            run.phase = phase
             return {f"val/{k}": v for k, v in vars(summary).items()}
 
         sft_done = warm and (sft_dir / "config.json").is_file()
@@ -96,6 +101,7 @@ class TRLBackend:
         if resume_from is None:
             run.metrics_file.unlink(missing_ok=True)
             if warm and not sft_done:  # a model that needs a warm start scores 0 before it: not worth validating
+                run.phase = "warm start (SFT)"
                 start = time.monotonic()
                 model = setup.warmstart.train(
                     model,
@@ -130,12 +136,18 @@ class TRLBackend:
             processing_class=tokenizer,
             peft_config=setup.finetune.peft_config(),
             rollout_func=rollout_func,
-            callbacks=[_StepLog(setup, rollout_func, validation)],
+            callbacks=[_StepLog(setup, rollout_func, validation), _StopAtStepEnd()],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
         )
         start = time.monotonic()
-        trainer.train(resume_from_checkpoint=resume_from)
+        run.phase = "GRPO"
+        with checkpoint_at_step_end():
+            trainer.train(resume_from_checkpoint=resume_from)
+        if (signal_name := stop_requested()) is not None:
+            step = trainer.state.global_step
+            raise Interrupted(f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}")
+        run.phase = "saving the final model"
         results["grpo"] = {"steps": trainer.state.global_step, "wall_s": time.monotonic() - start}
         trainer.save_model(str(run.checkpoints / "final"))
         tokenizer.save_pretrained(str(run.checkpoints / "final"))
@@ -185,17 +197,6 @@ class TRLBackend:
         )
 
 
-def last_complete_checkpoint(folder: Path) -> str | None:
-    """The latest `checkpoint-<step>` that TRL finished writing: `trainer_state.json` is written last, and a job
-    killed while saving (preemption, requeue) leaves a partial one."""
-    steps = {
-        int(p.name.split("-")[1]): p
-        for p in folder.glob("checkpoint-*")
-        if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").is_file()
-    }
-    return str(steps[max(steps)]) if steps else None
-
-
 def _passthrough_reward(name: str) -> Any:
     """TRL reward function returning the reward the rollout already computed (named after the reward, for logs)."""
 
@@ -206,6 +207,15 @@ def _passthrough_reward(name: str) -> Any:
 
     reward.__name__ = name
     return reward
+
+
+class _StopAtStepEnd(TrainerCallback):
+    """On a stop signal (`foundation.interrupt`), checkpoint at the end of the current step and end training."""
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if stop_requested() is not None:
+            control.should_save = True
+            control.should_training_stop = True
 
 
 class _StepLog(TrainerCallback):
