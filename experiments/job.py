@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -59,6 +60,35 @@ def interruption(run: RunDir, hydra: DictConfig) -> dict[str, Any]:
     }
 
 
+def start_tracker(cfg: DictConfig, run: RunDir, hydra: DictConfig) -> Any:
+    """The `logger` group's tracker, started and attached to `run`; None for logger=none or when it fails to start
+    (reported once: the run goes on with metrics.jsonl). A bad logger config still fails the run here."""
+    tracker = build_group(cfg, "logger")
+    if tracker is None:
+        return None
+    try:
+        tracker.start(run, cfg, hydra)
+    except Exception as exc:
+        run.tracking_errors.append(f"{type(tracker).__name__}.start: {type(exc).__name__}: {exc}")
+        print(f"tracking off ({run.tracking_errors[-1]}); metrics.jsonl goes on", file=sys.stderr, flush=True)
+        return None
+    run.trackers.append(tracker)
+    return tracker
+
+
+def finish_tracker(tracker: Any, summary: dict[str, Any], run: RunDir) -> None:
+    """Close `tracker` with the run's summary (already written), if it is still tracking; a failure is added to the
+    summary, never raised."""
+    if tracker is None or tracker not in run.trackers:
+        return
+    try:
+        tracker.finish(summary)
+    except Exception as exc:
+        summary["tracking_errors"] = [*summary["tracking_errors"], f"{type(tracker).__name__}.finish: {exc}"]
+        print(f"tracking: {summary['tracking_errors'][-1]}", file=sys.stderr, flush=True)
+        run.write_summary(summary)
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
     hydra = HydraConfig.get()  # one output directory per run, also in a sweep
@@ -86,10 +116,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     tracker = None
     try:
         with stop_signals():  # SIGTERM / SIGINT: Interrupted, recorded below
-            tracker = build_group(cfg, "logger")  # logger=none: metrics.jsonl only
-            if tracker is not None:
-                tracker.start(run, cfg, hydra)
-                run.trackers.append(tracker)
+            tracker = start_tracker(cfg, run, hydra)
             results = job(cfg, run)
     except BaseException as exc:
         interrupted = isinstance(exc, Interrupted | KeyboardInterrupt)
@@ -101,17 +128,17 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         }
         if interrupted:
             failed |= interruption(run, hydra)
+        failed["tracking_errors"] = run.tracking_errors
         run.write_summary(failed)
-        if tracker is not None:
-            tracker.finish(failed)
+        finish_tracker(tracker, failed, run)
         print(f"run directory: {run.path}\nstatus: {failed['status']}: {type(exc).__name__}: {exc}", flush=True)
         if interrupted:
             print(f"resume: {failed['resume']}", flush=True)
         raise
     summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
+    summary["tracking_errors"] = run.tracking_errors
     run.write_summary(summary)
-    if tracker is not None:
-        tracker.finish(summary)
+    finish_tracker(tracker, summary, run)
     print(f"run directory: {run.path}", flush=True)
     print(json.dumps(summary, indent=2, default=str), flush=True)
     return summary

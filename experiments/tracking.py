@@ -1,7 +1,9 @@
 """Tracking beyond `metrics.jsonl` (which every run writes): `logger=wandb` mirrors a run's step metrics and summary
 to Weights & Biases (`conf/logger/wandb.yaml`).
 
-Offline (into `<run>/wandb/`, `wandb sync` uploads it later) unless `WANDB_API_KEY` is set. group = the sweep,
+`mode: auto` follows `WANDB_MODE` when it is set, else is offline (into `<run>/wandb/`, `wandb sync` uploads it
+later) unless `WANDB_API_KEY` is set. A tracker never stops training: one that fails to start, log or finish (no
+network, a bad key, a server down) is reported once and left out; `metrics.jsonl` has everything. group = the sweep,
 tags = the swept keys' values, name = the run's overrides (less the logger's). The config sent is the composed one
 with every value read from the environment left as its `${oc.env:...}` interpolation, so no key or endpoint leaves
 in it.
@@ -18,8 +20,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from foundation.run_dir import RunDir, is_factor, override_key, sweep_overrides
+from foundation.schema import number, one_of
 
 MODES = ("auto", "online", "offline", "disabled")
+WANDB_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
 # summary.json keys mirrored into the W&B run summary.
 SUMMARY_KEYS = ("status", "error", "wall_s", "steps", "val_accuracy_before", "val_accuracy_after", "device")
 
@@ -52,18 +56,19 @@ class WandbLogger:
     name: str = "wandb"
     project: str = "agentic-rl"
     entity: str | None = None
-    mode: str = "auto"
+    mode: str = one_of("auto", MODES)
     tags: list[str] = field(default_factory=list)
+    init_timeout_s: float = number(90.0, gt=0)
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"logger.mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         self._run: Any = None
 
     def resolved_mode(self) -> str:
-        if self.mode == "auto":
-            return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        return self.mode
+        if self.mode != "auto":
+            return self.mode
+        if (env_mode := os.environ.get("WANDB_MODE", "").strip().lower()) in WANDB_MODES:
+            return WANDB_MODES[env_mode]
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
     def start(self, run: RunDir, cfg: DictConfig, hydra: DictConfig) -> None:
         import wandb  # the `wandb` extra; only a run with logger=wandb needs it
@@ -86,7 +91,7 @@ class WandbLogger:
             name=name,
             config=env_free_config(cfg)
             | {"hydra_overrides": list(hydra.overrides.task), "hydra_choices": dict(hydra.runtime.choices)},
-            settings=wandb.Settings(console="off", save_code=False, disable_git=True),
+            settings=wandb.Settings(console="off", save_code=False, disable_git=True, init_timeout=self.init_timeout_s),
             reinit="finish_previous",
         )
 

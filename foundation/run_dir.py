@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ class RunDir:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.trackers: list[Tracker] = []
+        self.tracking_errors: list[str] = []  # one line per tracker that failed; summary.json lists them
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.samples = self.path / "samples"
@@ -50,11 +52,17 @@ class RunDir:
         return self.path / "attempts.jsonl"
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one step to `metrics.jsonl`, then to each tracker; a tracker that fails is reported and dropped."""
         values = {k: _jsonable(v) for k, v in metrics.items()}
         with self.metrics_file.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
-        for tracker in self.trackers:
-            tracker.log(step, values)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(step, values)
+            except Exception as exc:  # tracking never stops training: metrics.jsonl has the step
+                self.trackers.remove(tracker)
+                self.tracking_errors.append(f"{type(tracker).__name__}.log at step {step}: {type(exc).__name__}: {exc}")
+                print(f"tracking stopped ({self.tracking_errors[-1]}); metrics.jsonl goes on", file=sys.stderr)
 
     def metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_file.is_file():

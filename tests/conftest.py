@@ -67,9 +67,12 @@ def micro_tiny(cache_dir: Path, **fields: Any) -> TinyModel:
     return TinyModel(name="tiny", hub_id=None, path=None, cache_dir=str(cache_dir), **(settings | fields))
 
 
-def launch(args: list[str], cache: Path, output: Path, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    """Run `python launch.py ARGS` as a user would, offline, with its own cache and output directories."""
-    env = os.environ | {"ARL_CACHE_DIR": str(cache), "ARL_OUTPUT_DIR": str(output), "HF_HUB_OFFLINE": "1"}
+def launch(
+    args: list[str], cache: Path, output: Path, timeout: int = 600, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python launch.py ARGS` as a user would, offline, with its own cache and output directories (and `env`
+    on top of this process's environment)."""
+    env = os.environ | {"ARL_CACHE_DIR": str(cache), "ARL_OUTPUT_DIR": str(output), "HF_HUB_OFFLINE": "1"} | (env or {})
     return subprocess.run(
         [sys.executable, "launch.py", *args],
         cwd=ROOT,

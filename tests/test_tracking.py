@@ -1,7 +1,9 @@
-"""logger=wandb: validated with the other groups, offline without a key, and no environment value in what it sends."""
+"""logger=wandb: validated with the other groups, offline without a key, no environment value in what it sends, and
+never the cause of a failed run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ import yaml
 from experiments.config import build_group
 from experiments.tracking import WandbLogger, env_free_config, swept_keys
 from foundation.errors import ConfigError
+from foundation.run_dir import RunDir
+from tests.conftest import closed_port, launch
 from tests.test_config import compose_with
 
 
@@ -57,3 +61,52 @@ def test_swept_keys_come_from_the_command_line_and_the_preset(tmp_path: Path) ->
     (tmp_path / "multirun.yaml").write_text(yaml.safe_dump(multirun))
     assert swept_keys(tmp_path) == ["agent.max_turns", "seed"]
     assert swept_keys(tmp_path / "missing") == []
+
+
+def test_auto_mode_follows_wandb_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert WandbLogger().resolved_mode() == "offline"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert WandbLogger().resolved_mode() == "disabled"
+    monkeypatch.setenv("WANDB_MODE", "dryrun")  # wandb's older name for offline
+    assert WandbLogger().resolved_mode() == "offline"
+    assert WandbLogger(mode="online").resolved_mode() == "online"  # a mode written in the config wins
+
+
+class FailingTracker:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.calls += 1
+        raise ConnectionError("the tracking server went away")
+
+
+def test_a_tracker_that_fails_to_log_is_dropped_and_metrics_go_on(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    tracker = FailingTracker()
+    run.trackers.append(tracker)
+    for step in (1, 2, 3):
+        run.log(step, {"train/reward_mean": 0.5})
+    assert [m["step"] for m in run.metrics()] == [1, 2, 3]
+    assert tracker.calls == 1 and run.trackers == []
+    assert run.tracking_errors == ["FailingTracker.log at step 1: ConnectionError: the tracking server went away"]
+
+
+@pytest.mark.integration
+def test_an_unreachable_wandb_server_does_not_fail_the_run(tmp_path: Path) -> None:
+    key = "sentinel-wandb-key-000000000000000000000000000000"
+    env = {"WANDB_API_KEY": key, "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}"}
+    run_dir = tmp_path / "run"
+    (tmp_path / "sweep").mkdir()
+    args = ["job=status", f"job.sweep_dir={tmp_path / 'sweep'}", "logger=wandb", "logger.mode=online"]
+    args += ["logger.init_timeout_s=5", f"hydra.run.dir={run_dir}"]
+    result = launch(args, tmp_path / "cache", tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    (error,) = summary["tracking_errors"]
+    assert error.startswith("WandbLogger.start: ")
+    assert "tracking off" in result.stderr
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and key in p.read_text(errors="ignore")]
