@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from experiments.config import build_group
 from experiments.sweep import completed_run
-from foundation.interrupt import Interrupted, stop_signals
+from foundation.interrupt import stop_signals
 from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
@@ -119,7 +119,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             tracker = start_tracker(cfg, run, hydra)
             results = job(cfg, run)
     except BaseException as exc:
-        interrupted = isinstance(exc, Interrupted | KeyboardInterrupt)
+        # Not an error: a stop signal (Interrupted, KeyboardInterrupt) or submitit's exit after a preemption's requeue
+        interrupted = not isinstance(exc, Exception)
         failed = base | {
             "status": "interrupted" if interrupted else "failed",
             "error": f"{type(exc).__name__}: {exc}",
