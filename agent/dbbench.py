@@ -19,6 +19,7 @@ from agent.llm import ChatModel, Message
 from agent.scripted import Reply, say
 from agent.sql_tool import ScratchDatabase
 from agent.trajectory import Trajectory
+from foundation.schema import number
 
 _ACTION = re.compile(r"Action:\s*(Operation|Answer)")
 _SQL = re.compile(r"```sql\s*\n?([\s\S]*?)\n?```")
@@ -57,14 +58,10 @@ class DBBenchAgent:
     task_prompt: str
     invalid_action_text: str
     name: str = "dbbench"
-    max_turns: int = 5  # model calls per rollout; the one turn limit every backend reads
-    sql_timeout_s: float = 2.0
-    result_max_rows: int = 50
-    result_max_chars: int = 1500
-
-    def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}")
+    max_turns: int = number(5, ge=1)  # model calls per rollout; the one turn limit every backend reads
+    sql_timeout_s: float = number(2.0, gt=0)  # one statement's time limit
+    result_max_rows: int = number(50, gt=0)  # rows of a result the model is shown
+    result_max_chars: int = number(1500, gt=0)  # characters of a result the model is shown
 
     def oracle(self, task: dict[str, Any], wrong: str | None = None) -> list[Reply]:
         """The replies of a model that knows the answer (SFT demonstrations): run the gold SQL, then answer; with a

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import httpx
 from openai import AsyncOpenAI
 
+from foundation.schema import number
+
 Message = dict[str, str]
 
 
@@ -57,17 +59,11 @@ class Endpoint:
     base_url: str
     model: str | None
     api_key_env: str = "OPENAI_API_KEY"
-    concurrency: int = 8
-    limit: int | None = None
-    temperature: float = 0.0
-    max_tokens: int = 512
-    timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if self.concurrency <= 0:
-            raise ValueError(f"endpoint.concurrency must be > 0, got {self.concurrency}")
-        if self.limit is not None and self.limit <= 0:
-            raise ValueError(f"endpoint.limit must be > 0, got {self.limit}")
+    concurrency: int = number(8, gt=0)  # rollouts in flight at once
+    limit: int | None = number(None, gt=0)  # evaluate only the first N tasks (None: all)
+    temperature: float = number(0.0, ge=0)  # 0: greedy
+    max_tokens: int = number(512, gt=0)  # per call
+    timeout_s: float = number(120.0, gt=0)  # per call
 
     @property
     def api_key(self) -> str:

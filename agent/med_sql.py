@@ -30,6 +30,7 @@ from agent.llm import ChatModel, OpenAIChat
 from agent.scripted import ReplayChat, Reply, call, say
 from agent.sql_tool import run_query
 from agent.trajectory import Trajectory
+from foundation.schema import number
 
 TOOL_NAME = "query_database_by_sql"
 _SAMPLING_KEYS = ("temperature", "top_p", "max_tokens")
@@ -40,16 +41,14 @@ class MedSQLAgent:
     task_kind: ClassVar[str] = "med_qa"
 
     name: str = "med_sql"
-    max_turns: int = 4  # model calls per rollout (the SDK's max_turns); the one turn limit every backend reads
+    max_turns: int = number(4, ge=1)  # model calls per rollout (the SDK's); the one turn limit every backend reads
     instructions: str = ""
     tool_description: str = ""
-    sql_timeout_s: float = 2.0
-    result_max_rows: int = 20
-    result_max_chars: int = 1500
+    sql_timeout_s: float = number(2.0, gt=0)  # one query's time limit
+    result_max_rows: int = number(20, gt=0)  # rows of a result the model is shown
+    result_max_chars: int = number(1500, gt=0)  # characters of a result the model is shown
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}")
         if not self.instructions or not self.tool_description:
             raise ValueError("agent.instructions and agent.tool_description must be set")
 

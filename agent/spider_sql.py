@@ -25,9 +25,10 @@ from langgraph.graph import END, START, StateGraph
 
 from agent.llm import ChatModel, Message
 from agent.scripted import Reply, say
-from agent.sql_tool import run_query, schema_text
+from agent.sql_tool import SCHEMA_STYLES, run_query, schema_text
 from agent.tracing import agent_step
 from agent.trajectory import Trajectory
+from foundation.schema import number, one_of
 
 _FENCED_BLOCK = re.compile(r"```(?:[A-Za-z]*)?\s*\n?(.*?)```", re.DOTALL)
 CORRECT, INCORRECT = "THE QUERY IS CORRECT", "THE QUERY IS INCORRECT"
@@ -64,26 +65,20 @@ class SpiderSQLAgent:
 
     task_kind: ClassVar[str] = "text_to_sql"
 
-    max_turns: int
+    max_turns: int = number(ge=1)  # SQL-writing turns (write + rewrites)
     check_step: bool
     system_prompt: str
     write_prompt: str
     check_prompt: str
     rewrite_prompt: str
     no_query_text: str
-    schema_style: str = "sql"
-    schema_max_chars: int = 2000
-    result_max_chars: int = 1000
-    result_max_rows: int = 20
-    sql_timeout_s: float = 2.0
-    dialect: str = "SQLite"
+    schema_style: str = one_of("sql", SCHEMA_STYLES)
+    schema_max_chars: int = number(2000, gt=0)  # characters of the schema in the first prompt
+    result_max_chars: int = number(1000, gt=0)  # characters of a result the model is shown
+    result_max_rows: int = number(20, gt=0)  # rows of a result the model is shown
+    sql_timeout_s: float = number(2.0, gt=0)  # one query's time limit
+    dialect: str = "SQLite"  # only named in the prompts: queries run on SQLite
     name: str = "spider_sql"
-
-    def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"agent.max_turns must be >= 1, got {self.max_turns}")
-        if self.schema_style not in ("sql", "compact"):
-            raise ValueError(f"agent.schema_style must be 'sql' or 'compact', got {self.schema_style!r}")
 
     @cached_property
     def graph(self) -> Any:

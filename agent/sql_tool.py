@@ -44,6 +44,7 @@ LIMITS = (
 MAX_SQL_CHARS = dict(LIMITS)[sqlite3.SQLITE_LIMIT_SQL_LENGTH]
 HEAP_LIMIT_BYTES = 2 << 30  # SQLite's heap in this process (all connections): past it, a statement is "out of memory"
 MAX_RESULT_BYTES = 64 << 20  # what one result may hold in Python (approximate: text and blob bytes, 16 per number)
+SCHEMA_STYLES = ("sql", "compact")  # how `schema_text` shows a database: CREATE TABLE statements, or one line per table
 
 # Authorizer actions that a query tool must never perform, even on a read-only or scratch connection.
 _DENIED_ACTIONS = {
@@ -308,7 +309,7 @@ def schema_text(db_path: str | Path, style: str = "sql") -> str:
     `sql`: the CREATE TABLE statements. `compact`: one line per table, `table(column type, ...)`, then the foreign
     keys as `table.column -> table.column` (about a third of the tokens).
     """
-    if style not in ("sql", "compact"):
+    if style not in SCHEMA_STYLES:
         raise ValueError(f"unknown schema style {style!r}: use 'sql' or 'compact'")
     conn = _open_read_only(Path(db_path))
     try:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from agent.dbbench import scratch_for
+from foundation.schema import number
 from rewards.dbbench_match import DBBenchMatch
 
 GENERATOR_VERSION = 1
@@ -223,15 +224,13 @@ class DBBenchData:
     name: str
     data_dir: str
     entry_file: str = ENTRY_FILE
-    val_size: int = 50
-    val_limit: int | None = None
+    val_size: int = number(50, gt=0)  # the last entries, held out for validation
+    val_limit: int | None = number(None, gt=0)  # validate on the first N of them (None: all)
     generate: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.generate is None and not (Path(self.data_dir) / self.entry_file).is_file():
             raise FileNotFoundError(f"data.data_dir={self.data_dir} holds no {self.entry_file}")
-        if self.val_size <= 0:
-            raise ValueError(f"data.val_size must be > 0, got {self.val_size}")
 
     def _tasks(self) -> list[dict[str, Any]]:
         if self.generate is not None:

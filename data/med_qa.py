@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from foundation.schema import number
 from rewards.answer_match import AnswerMatch
 
 GENERATOR_VERSION = 1
@@ -330,14 +331,12 @@ class MedQAData:
     data_dir: str
     train_split: str = "train"
     val_split: str = "val"
-    val_limit: int | None = None
+    val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
     generate: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.generate is None and not Path(self.data_dir).is_dir():
             raise FileNotFoundError(f"data.data_dir={self.data_dir} does not exist")
-        if self.val_limit is not None and self.val_limit <= 0:
-            raise ValueError(f"data.val_limit must be > 0, got {self.val_limit}")
 
     def prepare(self) -> Path:
         if self.generate is not None:

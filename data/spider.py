@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from data import spider_mini
+from foundation.schema import number
 from rewards.exec_match import ExecMatch
 
 SPLIT_FILES = {
@@ -64,7 +65,7 @@ class SpiderData:
     spider_dir: str | None
     train_split: str = "train"
     val_split: str = "dev"
-    val_limit: int | None = None
+    val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
     generate: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
@@ -72,8 +73,6 @@ class SpiderData:
             raise ValueError("data.spider_dir is not set (set it, or VERL_SPIDER_DATA_DIR, to Spider's directory)")
         if self.generate is None and not Path(self.spider_dir).is_dir():
             raise FileNotFoundError(f"data.spider_dir={self.spider_dir} does not exist")
-        if self.val_limit is not None and self.val_limit <= 0:
-            raise ValueError(f"data.val_limit must be > 0, got {self.val_limit}")
 
     def prepare(self) -> Path:
         """Make sure the data is on disk (generating the bundled set once) and return its directory."""

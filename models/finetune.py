@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from peft import LoraConfig
 
+from foundation.schema import number
+
 
 @dataclass
 class Full:
@@ -22,20 +24,14 @@ class LoRA:
     """A LoRA adapter on `target_modules` (PEFT)."""
 
     name: str = "lora"
-    rank: int = 32
-    alpha: int = 64
-    dropout: float = 0.0
+    rank: int = number(32, gt=0)
+    alpha: int = number(64, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = number(0.0, ge=0, lt=1)
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
 
     def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ValueError(f"finetune.rank must be > 0, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"finetune.alpha must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"finetune.dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ValueError("finetune.target_modules must not be empty")
 

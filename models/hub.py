@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,19 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from models.chat import ChatFormat, check_tool_call_format
+from foundation.schema import number, one_of
+from models.chat import TOOL_CALL_FORMATS, ChatFormat
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 elsewhere
+# What transformers' `attn_implementation` names (eager: its own; sdpa: torch's; the rest need their package).
+ATTN_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+    "flex_attention",
+)
 
 
 @dataclass
@@ -19,18 +32,15 @@ class HubModel:
     name: str
     hub_id: str | None
     path: str | None
-    context_length: int
-    tool_call_format: str
-    dtype: str = "auto"
-    attn_implementation: str = "sdpa"
+    context_length: int = number(gt=0)  # tokens the model attends to (prompt and response)
+    tool_call_format: str = one_of(dataclasses.MISSING, TOOL_CALL_FORMATS)  # how replies carry tool calls
+    dtype: str = one_of("auto", DTYPES)
+    attn_implementation: str = one_of("sdpa", ATTN_IMPLEMENTATIONS)
     enable_thinking: bool | None = None  # Qwen3's thinking switch, passed to the chat template (None: its default)
 
     def __post_init__(self) -> None:
         if not (self.hub_id or self.path):
             raise ValueError("model.hub_id or model.path must be set")
-        check_tool_call_format(self.tool_call_format)
-        if self.context_length <= 0:
-            raise ValueError(f"model.context_length must be > 0, got {self.context_length}")
 
     @property
     def source(self) -> str:

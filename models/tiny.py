@@ -17,7 +17,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from models.chat import chat_template, check_tool_call_format
+from foundation.schema import number, one_of
+from models.chat import CHAT_TEMPLATES, chat_template
 from models.hub import HubModel
 
 BUILD_VERSION = 2
@@ -86,22 +87,20 @@ class TinyModel(HubModel):
     """A Qwen3-architecture model small enough to train on 2 CPU cores in minutes."""
 
     cache_dir: str = ".cache/models"
-    vocab_size: int = 2048
-    hidden_size: int = 128
-    intermediate_size: int = 512
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    init_seed: int = 0
-    chat_template: str = "qwen25"
+    vocab_size: int = number(2048, ge=256)  # the byte-level alphabet alone is 256 tokens: below it, no effect
+    hidden_size: int = number(128, gt=0)
+    intermediate_size: int = number(512, gt=0)
+    num_hidden_layers: int = number(4, gt=0)
+    num_attention_heads: int = number(4, gt=0)
+    num_key_value_heads: int = number(2, gt=0)
+    init_seed: int = number(0, ge=0)  # torch's seed for the random weights
+    chat_template: str = one_of("qwen25", CHAT_TEMPLATES)  # the tokenizer's (models/chat_templates/)
 
-    def __post_init__(self) -> None:
-        chat_template(self.chat_template)  # names the key when the template is unknown
-        check_tool_call_format(self.tool_call_format)
-        if self.context_length <= 0:
-            raise ValueError(f"model.context_length must be > 0, got {self.context_length}")
+    def __post_init__(self) -> None:  # no hub_id or path needed: built here
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("model.hidden_size must be divisible by model.num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("model.num_attention_heads must be divisible by model.num_key_value_heads")
 
     def build_dir(self, corpus_texts: list[str]) -> Path:
         arch = {k: v for k, v in asdict(self).items() if k not in ("name", "path", "cache_dir", "dtype")}

@@ -24,6 +24,7 @@ from sqlparse.exceptions import SQLParseError
 
 from agent.sql_tool import MAX_SQL_CHARS, SQLResult, run_query
 from agent.trajectory import Trajectory
+from foundation.schema import number
 
 _MAX_ROWS = 100_000
 MAX_PERMUTATION_WORK = 2_000_000  # search steps + rows compared over the column permutations tried; past it: no match
@@ -154,7 +155,7 @@ class ExecMatch:
     """Reward: execution match of the trajectory's final SQL against the task's gold `query`."""
 
     name: str = "exec_match"
-    timeout_s: float = 2.0
+    timeout_s: float = number(2.0, gt=0)  # each query's time limit (the gold's and the agent's)
 
     def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
         if trajectory.final_sql is None:

@@ -19,6 +19,7 @@ import openai
 from openai import OpenAI
 
 from agent.trajectory import Trajectory
+from foundation.schema import number
 
 _SCORE = re.compile(r"SCORE:\s*\**\s*([0-9]*\.?[0-9]+)\s*(?:/\s*(10|100))?", re.IGNORECASE)
 
@@ -40,14 +41,12 @@ class LLMJudge:
     rubric: str
     name: str = "llm_judge"
     api_key_env: str = "JUDGE_API_KEY"
-    timeout_s: float = 30.0
-    retries: int = 2
-    temperature: float = 0.0
-    max_tokens: int = 512
+    timeout_s: float = number(30.0, gt=0)  # per call
+    retries: int = number(2, ge=0)  # more calls after a failed or unreadable reply (0: one call only)
+    temperature: float = number(0.0, ge=0)  # the judge's sampling temperature (0: greedy)
+    max_tokens: int = number(512, gt=0)  # of the judge's reply
 
     def __post_init__(self) -> None:
-        if self.retries < 0 or self.timeout_s <= 0:
-            raise ValueError("reward.retries must be >= 0 and reward.timeout_s > 0")
         self._cache: dict[str, float] = {}
         self._lock = threading.Lock()
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent.trajectory import Trajectory
+from foundation.schema import number
 
 MAX_TEXT_CHARS = 100_000
 
@@ -162,7 +163,7 @@ class RewardModelReward:
 
     base_url: str
     name: str = "reward_model"
-    timeout_s: float = 30.0
+    timeout_s: float = number(30.0, gt=0)  # per request
 
     def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float | None:
         response = trajectory.answer if trajectory.answer is not None else trajectory.final_sql

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.trajectory import Trajectory
+from foundation.schema import number
 
 
 @dataclass
@@ -16,8 +17,8 @@ class ExecutedSQL:
     """
 
     name: str = "rule"
-    amount: float = 0.1
-    no_sql_penalty: float = 0.0
+    amount: float = number(0.1, ge=0)  # for a last query that ran
+    no_sql_penalty: float = number(0.0, le=0)  # for no SQL at all: a penalty, 0 or below
 
     def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
         if trajectory.final_sql is None:

@@ -29,6 +29,7 @@ from backends.trl.sft import SFTWarmstart, demonstration_texts
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.run_dir import last_complete_checkpoint
+from foundation.schema import number, one_of
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -37,19 +38,15 @@ _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_p
 @dataclass
 class TRLBackend:
     name: str = "trl"
-    device: str = "auto"
-    samples_per_validation: int = 4
+    device: str = "auto"  # a torch device (cpu, cuda, cuda:1); auto: cuda when available, else cpu
+    samples_per_validation: int = number(4, ge=0)  # trajectories kept in samples/ per validation
     gradient_checkpointing: bool = False
-    batch_wait_s: float = 0.02
-    generation_engine: str = "auto"
+    batch_wait_s: float = number(0.02, ge=0)  # policy server: generate once no new request came for this long
+    generation_engine: str = one_of("auto", ("auto", *ENGINES))
     cuda_graphs: bool = True
     compile_decode: bool = True
 
     def __post_init__(self) -> None:
-        if self.generation_engine not in ("auto", *ENGINES):
-            raise ValueError(
-                f"backend.generation_engine must be one of auto, {', '.join(ENGINES)}; got {self.generation_engine!r}"
-            )
         self._engine: Engine | None = None
 
     def engine(self) -> Engine:

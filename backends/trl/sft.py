@@ -23,6 +23,7 @@ from trl import SFTConfig, SFTTrainer
 
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
+from foundation.schema import number
 from models.chat import for_template
 
 Demonstration = dict[str, Any]  # {"messages": [...], "tools": JSON string or None}
@@ -40,20 +41,12 @@ def demonstration_texts(demo: Demonstration) -> list[str]:
 @dataclass
 class SFTWarmstart:
     name: str = "sft"
-    steps: int = 600
-    learning_rate: float = 2e-3
-    batch_size: int = 32
-    warmup_ratio: float = 0.05
-    rewrite_demo_fraction: float = 0.2
-    concurrency: int = 64  # agent runs at once while demonstrations are collected
-
-    def __post_init__(self) -> None:
-        if self.steps <= 0 or self.batch_size <= 0 or self.learning_rate <= 0 or self.concurrency <= 0:
-            raise ValueError(
-                "warmstart.steps, warmstart.batch_size, warmstart.learning_rate and warmstart.concurrency must be > 0"
-            )
-        if not 0.0 <= self.rewrite_demo_fraction <= 1.0:
-            raise ValueError(f"warmstart.rewrite_demo_fraction must be in [0, 1], got {self.rewrite_demo_fraction}")
+    steps: int = number(600, gt=0)
+    learning_rate: float = number(2e-3, gt=0)
+    batch_size: int = number(32, gt=0)
+    warmup_ratio: float = number(0.05, ge=0, le=1)  # of the steps, warming the learning rate up
+    rewrite_demo_fraction: float = number(0.2, ge=0, le=1)  # demonstrations with a wrong first query and its fix
+    concurrency: int = number(64, gt=0)  # agent runs at once while demonstrations are collected
 
     def demonstrations(self, agent: Agent, tasks: list[dict[str, Any]], seed: int) -> list[Demonstration]:
         """The agent's conversations on `tasks` against a scripted model that knows the answers."""

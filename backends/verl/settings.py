@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from foundation.schema import number, one_of
+
 if TYPE_CHECKING:
     from backends.setup import TrainSetup
 
 TRACING_MODES = ("llm_proxy", "agentops")
+TRACE_AGGREGATIONS = ("transition", "trajectory")  # each LLM call a sample, or a rollout's calls merged into one
 NEEDS_VENV = "agent-lightning and verl are not installed here: make setup-verl, then run with .venv-verl/bin/python"
 
 
@@ -26,16 +29,12 @@ class AglWiring:
     """
 
     agent: str = "spider_sql"  # the agent option (conf/agent/<name>.yaml); set from Hydra's choice
-    n_runners: int = 4
-    tracing: str = "agentops"
+    n_runners: int = number(4, gt=0)  # agent runners (processes) executing rollouts
+    tracing: str = one_of("agentops", TRACING_MODES)
     agent_match: dict[str, str | None] = field(default_factory=dict)
     store_address: str | None = None  # an external `agl store` (http://host:port); null: one in this process
 
     def __post_init__(self) -> None:
-        if self.n_runners <= 0:
-            raise ValueError(f"backend.n_runners must be > 0, got {self.n_runners}")
-        if self.tracing not in TRACING_MODES:
-            raise ValueError(f"backend.tracing must be one of {', '.join(TRACING_MODES)}, got {self.tracing!r}")
         if self.tracing == "llm_proxy" and self.trained_calls is not None:
             raise ValueError(
                 f"backend.agent_match.{self.agent}={self.trained_calls!r} needs backend.tracing=agentops (the LLM "
@@ -57,30 +56,18 @@ class VerlBackend(AglWiring):
     """agent-lightning's `Trainer(algorithm=agl.VERL(...))`: verl GRPO with vLLM rollouts on `resources` GPUs."""
 
     name: str = "verl"
-    max_turns: int = 3  # ${agent.max_turns}: the agent's turn limit, also verl's rollout.multi_turn bound
-    nodes: int = 1  # ${resources.nodes}
-    gpus_per_node: int = 1  # ${resources.gpus_per_node}
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.6
+    max_turns: int = number(3, gt=0)  # ${agent.max_turns}: the agent's turn limit, also verl's rollout.multi_turn bound
+    nodes: int = number(1, gt=0)  # ${resources.nodes}
+    gpus_per_node: int = number(1, gt=0)  # ${resources.gpus_per_node}
+    tensor_parallel_size: int = number(1, gt=0)  # vLLM's; must divide gpus_per_node
+    gpu_memory_utilization: float = number(0.6, gt=0, le=1)  # vLLM's share of each GPU
     gradient_checkpointing: bool = True
     param_offload: bool = False
     logger: list[str] = field(default_factory=lambda: ["console"])
-    trace_aggregation: str = "transition"  # transition: each LLM call a sample; trajectory: a rollout's calls merged
+    trace_aggregation: str = one_of("transition", TRACE_AGGREGATIONS)
     project_name: str = "agentic-rl"
     overrides: dict[str, Any] = field(default_factory=dict)  # verl keys our groups do not set
     fit: bool = True  # false: build the verl config, agl.VERL and the Trainer, then stop before fit (works on CPU)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("max_turns", "nodes", "gpus_per_node", "tensor_parallel_size"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"backend.{key} must be > 0, got {getattr(self, key)}")
-        if self.trace_aggregation not in ("transition", "trajectory"):
-            raise ValueError(
-                f"backend.trace_aggregation must be transition or trajectory, got {self.trace_aggregation!r}"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"backend.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
     def train(self, setup: TrainSetup) -> dict[str, Any]:
         from backends.verl.train import train_verl
@@ -97,13 +84,8 @@ class DevBackend(AglWiring):
     base_url: str = "http://127.0.0.1:8000/v1"  # ${endpoint.base_url}
     model: str | None = None  # ${endpoint.model}
     api_key_env: str = "OPENAI_API_KEY"  # ${endpoint.api_key_env}
-    n_tasks: int = 4  # the first N training tasks
-    poll_interval_s: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.n_tasks <= 0:
-            raise ValueError(f"backend.n_tasks must be > 0, got {self.n_tasks}")
+    n_tasks: int = number(4, gt=0)  # the first N training tasks
+    poll_interval_s: float = number(0.5, gt=0)  # how often runners and the algorithm poll the store
 
     def train(self, setup: TrainSetup) -> dict[str, Any]:
         from backends.verl.dev import run_dev
