@@ -24,6 +24,16 @@ from submitit.core.utils import JobPaths
 from experiments.sweep import QUEUED_STATES, RUNNING_STATES, read_summary, slurm_states, submitted_jobs
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
+from foundation.schema import number
+
+
+@dataclass
+class StatusJob:
+    """conf/job/status.yaml's keys."""
+
+    name: str
+    sweep_dir: str  # hydra.sweep.dir of the sweep (or a folder of runs, or one run directory)
+    tail: int = number(5, gt=0)  # lines of a failed run's error to show
 
 
 @dataclass

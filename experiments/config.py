@@ -1,51 +1,113 @@
 """From a composed config to built components, failing before any model loads with the bad key named.
 
-Each group's `_target_` is a dataclass (or a function, for `job`). Its fields are the group's schema: unknown keys and
-wrong types are rejected by OmegaConf, ranges and choices declared on the fields (`foundation.schema`) by
-`check_values`, what spans fields by the dataclass's `__post_init__`, and what spans groups here.
+Each group's `_target_` is a dataclass, whose fields are the group's schema; a `job`'s `_target_` is a function, and
+its option names its schema in `_schema_`. Unknown keys and wrong types are rejected by OmegaConf, ranges and choices
+declared on the fields (`foundation.schema`) by `check_values`, what spans fields by the dataclass's `__post_init__`,
+and what spans groups here. The top-level keys (`seed`, `resources`) are `RunSettings`'s, checked by `check_run`; the
+job's by `check_job`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from foundation.errors import ConfigError
-from foundation.schema import check_values
+from foundation.schema import check_values, number
 
 COMPONENT_GROUPS = ("model", "finetune", "algorithm", "agent", "reward", "data", "backend", "warmstart", "endpoint")
 
 
-HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_"}
+# `_schema_`: the dataclass whose fields are the keys of an option whose `_target_` is not one (a job's function).
+HYDRA_KEYS = {"_target_", "_recursive_", "_convert_", "_partial_", "_args_", "_schema_"}
+
+
+@dataclass
+class Resources:
+    """What a run asks its cluster for and its trainer uses (`resources` in conf/config.yaml)."""
+
+    nodes: int = number(1, ge=1)
+    gpus_per_node: int = number(1, ge=1)
+
+
+@dataclass
+class RunSettings:
+    """The top-level keys of conf/config.yaml that are settings of the run (the groups have their own schemas)."""
+
+    seed: int = number(0, ge=0)  # every random generator of the run starts from it
+    resources: Resources = field(default_factory=Resources)
 
 
 def check_schema(group: str, node: DictConfig) -> None:
-    """Reject keys the group's dataclass does not have and values of the wrong type."""
-    target = node.get("_target_")
+    """Reject keys the group's dataclass (`_schema_`, else `_target_`) does not have, values of the wrong type and
+    values outside their declared ranges and choices; then the same for the components nested in it (`_target_`)."""
+    key = "_schema_" if "_schema_" in node else "_target_"
+    target = node.get(key)
     if target is None:
         raise ConfigError(f"{group}._target_ is missing")
     try:
-        cls = get_class(target)
+        cls = get_object(target)
     except Exception as exc:
-        raise ConfigError(f"{group}._target_={target} cannot be imported: {exc}") from exc
+        raise ConfigError(f"{group}.{key}={target} cannot be imported: {exc}") from exc
     if not dataclasses.is_dataclass(cls):
         return
+    check_fields(group, cls, node, target)
+    for name, child in node.items():  # components built by this one: a field's, or a dict field's (reward.terms)
+        if not isinstance(child, DictConfig):
+            continue
+        if "_target_" in child:
+            check_schema(f"{group}.{name}", child)
+            continue
+        for sub_name, sub in child.items():
+            if isinstance(sub, DictConfig) and "_target_" in sub:
+                check_schema(f"{group}.{name}.{sub_name}", sub)
+
+
+def check_fields(prefix: str, cls: type, node: DictConfig, known_as: str) -> None:
+    """Check `node`'s keys, types, ranges and choices against dataclass `cls`, naming a bad key `<prefix>.<key>`."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(node.keys()) - fields - HYDRA_KEYS)
     if unknown:
-        raise ConfigError(f"{group}.{unknown[0]} is not a key of {target} (known: {', '.join(sorted(fields))})")
+        raise ConfigError(f"{_key(prefix, unknown[0])} is not a key of {known_as} (known: {', '.join(sorted(fields))})")
     values = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in HYDRA_KEYS}
     try:
         typed = OmegaConf.merge(OmegaConf.structured(cls), values)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", "") or ""
-        raise ConfigError(f"{group}.{key}: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
-    check_values(group, cls, {k: typed[k] for k in values})
+        raise ConfigError(f"{_key(prefix, key)}: {exc.msg if hasattr(exc, 'msg') else exc}") from exc
+    if missing := sorted(OmegaConf.missing_keys(typed)):
+        raise ConfigError(f"{_key(prefix, missing[0])} must be set (it is ???)")
+    check_values(prefix, cls, {k: typed[k] for k in values})
+
+
+def _key(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def check_job(cfg: DictConfig) -> None:
+    """The `job` group's keys, types, ranges and choices (its `_schema_`); a job with none has `name` only."""
+    node = cfg.get("job")
+    if not node:
+        raise ConfigError("job is missing (job=train, job=eval, ...)")
+    if "_schema_" not in node:
+        extra = sorted(set(node.keys()) - {"name"} - HYDRA_KEYS)
+        if extra:
+            raise ConfigError(f"job.{extra[0]} is not a key of job={node.get('name')} (it has none but name)")
+    check_schema("job", node)
+
+
+def check_run(cfg: DictConfig) -> None:
+    """The run's top-level settings (`seed`, `resources.nodes`, `resources.gpus_per_node`): type and range."""
+    node = OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RunSettings) if f.name in cfg])
+    check_fields("", RunSettings, node, "the run's settings")
+    if "resources" in cfg:
+        check_fields("resources", Resources, cfg.resources, "resources")
 
 
 def build_group(cfg: DictConfig, group: str) -> Any:

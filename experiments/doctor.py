@@ -27,12 +27,21 @@ from backends.verl.settings import NEEDS_VENV
 from experiments.config import build_components
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
+from foundation.schema import number
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE_BACKENDS = ("verl", "dev")
 # vLLM is not in the verl extra (no CPU build); agent-lightning 0.3.0 was tested with these.
 VLLM_TESTED = ("0.10.2", "0.11.0")
 PINNED_PACKAGES = ("agentlightning", "verl", "transformers", "openai", "opentelemetry-api", "opentelemetry-sdk")
+
+
+@dataclass
+class DoctorJob:
+    """conf/job/doctor.yaml's keys."""
+
+    name: str
+    min_free_gb: float = number(20.0, ge=0)  # free disk wanted under paths.output_dir for checkpoints
 
 
 @dataclass

@@ -6,6 +6,7 @@ log-probability margin of chosen over rejected on held-in pairs before and after
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,8 +15,16 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 
-from experiments.preference import device, prepare, save_final, trainer_args
+from experiments.preference import PreferenceJob, device, prepare, save_final, trainer_args
 from foundation.run_dir import RunDir
+from foundation.schema import number
+
+
+@dataclass
+class DPOJob(PreferenceJob):
+    """conf/job/dpo.yaml's keys."""
+
+    beta: float = number(0.1, gt=0)  # DPO's inverse temperature: how far the policy may move from the reference
 
 
 @torch.no_grad()

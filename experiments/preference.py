@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,8 +14,23 @@ from transformers import PreTrainedTokenizerBase, TrainingArguments
 from data.preferences import convert, read_jsonl, sql_pairs
 from experiments.config import build_components
 from foundation.run_dir import RunDir
+from foundation.schema import number
 
 Args = TypeVar("Args", bound=TrainingArguments)
+
+
+@dataclass
+class PreferenceJob:
+    """The keys the preference jobs share (conf/job/reward_model_train.yaml, conf/job/dpo.yaml)."""
+
+    name: str
+    pairs: str | None = None  # a prompt/chosen/rejected jsonl; None: SQL pairs generated from conf/data
+    max_pairs: int | None = number(None, gt=0)  # with generated pairs: at most this many (None: all)
+    steps: int = number(200, gt=0)  # optimizer steps
+    batch_size: int = number(16, gt=0)  # pairs per step
+    learning_rate: float = number(1e-3, gt=0)
+    max_length: int = number(512, gt=0)  # tokens of prompt + response
+    eval_pairs: int = number(200, gt=0)  # held-in pairs scored before and/or after training
 
 
 def preference_pairs(cfg: DictConfig, data: Any) -> list[dict[str, str]]:

@@ -7,6 +7,7 @@ python launch.py job=merge_lora job.adapter_path=<run>/checkpoints/final
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,36 @@ from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassificatio
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
-from experiments.preference import device, prepare, save_final, trainer_args
+from experiments.preference import PreferenceJob, device, prepare, save_final, trainer_args
 from foundation.run_dir import RunDir
+from foundation.schema import number
 from rewards.reward_model import Scorer, create_app
+
+
+@dataclass
+class RewardModelTrainJob(PreferenceJob):
+    """conf/job/reward_model_train.yaml's keys."""
+
+
+@dataclass
+class RewardModelServeJob:
+    """conf/job/reward_model_serve.yaml's keys."""
+
+    name: str
+    model_path: str  # <run>/checkpoints/final of job=reward_model_train (full or LoRA)
+    host: str = "127.0.0.1"
+    port: int = number(8002, ge=0, le=65535)
+    max_length: int = number(512, gt=0)  # tokens of prompt + response scored (the last ones)
+    max_batch_size: int = number(64, gt=0)  # texts per forward pass
+
+
+@dataclass
+class MergeLoraJob:
+    """conf/job/merge_lora.yaml's keys."""
+
+    name: str
+    adapter_path: str  # a PEFT adapter directory
+    output_path: str | None = None  # None: <run dir>/merged
 
 
 def pairwise_accuracy(scorer: Scorer, pairs: list[dict[str, str]]) -> float:

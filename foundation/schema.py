@@ -54,11 +54,13 @@ def value_error(key: str, value: Any, spec: Mapping[str, Any]) -> str | None:
 
 
 def check_values(group: str, cls: type, values: Mapping[str, Any]) -> None:
-    """Raise ConfigError naming `group.key` for the first value outside its field's declared range or choices."""
+    """Raise ConfigError naming `group.key` (`key` for the top level, group "") for the first value outside its
+    field's declared range or choices."""
     for field in dataclasses.fields(cls):
         if field.name not in values:
             continue
-        if problem := value_error(f"{group}.{field.name}", values[field.name], field.metadata):
+        key = f"{group}.{field.name}" if group else field.name
+        if problem := value_error(key, values[field.name], field.metadata):
             raise ConfigError(problem)
 
 

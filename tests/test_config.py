@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_object
 from omegaconf import DictConfig
 
-from experiments.config import build_components
+from experiments.config import RunSettings, build_components, check_job, check_run, check_schema
 from foundation.errors import ConfigError
+from foundation.schema import declared
 from tests.conftest import ROOT, launch
 
 CONF = ROOT / "conf"
@@ -34,6 +44,9 @@ NEEDS = {
     ("algorithm", "grpo"): "model=qwen7b",
     ("data", "med_qa"): "agent=med_sql",
     ("data", "dbbench"): "agent=dbbench",
+    ("job", "status"): "job.sweep_dir=outputs/sweeps/any",  # the jobs' mandatory (???) keys
+    ("job", "merge_lora"): "job.adapter_path=/any/adapter",
+    ("job", "reward_model_serve"): "job.model_path=/any/model",
 }
 
 
@@ -46,6 +59,8 @@ def test_every_option_composes_and_builds(group: str, option: str, spider_mini_d
     built = build_components(cfg)
     if group in built:
         assert (built[group] is None) == (option == "none")
+    check_run(cfg)
+    check_job(cfg)
 
 
 def test_model_presets_name_their_hub_ids() -> None:
@@ -155,3 +170,147 @@ def test_an_agent_brings_its_data_and_reward(agent: str, data: str, reward: str)
 def test_an_agent_and_data_of_different_kinds_fail_naming_both() -> None:
     with pytest.raises(ConfigError, match=r"agent=med_sql answers med_qa tasks; data=spider_mini"):
         build_components(compose_with("agent=med_sql", "data=spider_mini"))
+
+
+# Every group's schema: ranges and choices declared on its dataclass's fields, checked before anything is built.
+
+
+@cache
+def schemas() -> dict[str, tuple[str, str, type]]:
+    """Each group's schemas (an option's `_schema_`, else its `_target_` when that is a dataclass), by dotted name:
+    (group, the first option that names it, the dataclass). The top level's are group "" and "resources"."""
+    found: dict[str, tuple[str, str, type]] = {}
+    for group_dir in sorted(p for p in CONF.iterdir() if p.is_dir()):
+        for path in sorted(group_dir.glob("*.yaml")):
+            text = path.read_text(encoding="utf-8")
+            data = yaml.safe_load(text) or {}
+            node = data.get(group_dir.name) if "@package _global_" in text.split("\n", 1)[0] else data
+            name = (node or {}).get("_schema_") or (node or {}).get("_target_")
+            if name and name not in found and dataclasses.is_dataclass(cls := get_object(name)):
+                found[name] = (group_dir.name, path.stem, cls)
+    found["experiments.config.RunSettings"] = ("", "", RunSettings)
+    resources = next(f.default_factory for f in dataclasses.fields(RunSettings) if f.name == "resources")
+    found["experiments.config.Resources"] = ("resources", "", resources)
+    return found
+
+
+def violations(spec: Mapping[str, Any]) -> list[str]:
+    """Values that break a field's declared range (one per bound) or choices."""
+    outside = {"ge": lambda b: b - 1, "gt": lambda b: b, "le": lambda b: b + 1, "lt": lambda b: b}
+    values = [str(outside[name](bound)) for name, bound in spec.get("bounds", {}).items()]
+    return values + (["not_one_of_them"] if "choices" in spec else [])
+
+
+def check(group: str, cfg: DictConfig) -> None:
+    """What validates `group` before anything is built."""
+    if group in ("", "resources"):
+        check_run(cfg)
+    elif group == "job":
+        check_job(cfg)
+    else:
+        check_schema(group, cfg[group])
+
+
+def test_the_walk_finds_every_group_and_the_top_level() -> None:
+    groups = {group for group, _, _ in schemas().values()}
+    assert groups >= {*GROUPS, "endpoint", "logger", "", "resources"} - {"experiment"}
+    assert {"DPOJob", "StatusJob", "DoctorJob", "TinyModel", "HubModel", "Endpoint", "LLMJudge"} <= {
+        cls.__name__ for _, _, cls in schemas().values()
+    }
+
+
+@pytest.mark.parametrize("schema", sorted(schemas()))
+def test_every_declared_range_and_choice_is_checked_naming_its_key(schema: str) -> None:
+    group, option, cls = schemas()[schema]
+    base = [f"{group}={option}"] if option else []
+    base += [NEEDS[group, option]] if (group, option) in NEEDS else []
+    for field, spec in declared(cls).items():
+        key = f"{group}.{field}" if group else field
+        for value in violations(spec):
+            cfg = compose_with(*base, f"++{key}={value}")  # ++: also a key the option leaves to its default
+            with pytest.raises(ConfigError) as raised:
+                check(group, cfg)
+            assert re.match(rf"{re.escape(key)}[ :]", str(raised.value)), (key, value, str(raised.value))
+
+
+# str fields whose value is not one of a fixed set (prompts, paths, URLs, model and variable names, labels); every
+# other str field of a schema declares its choices. `name`, the option's label, is free in every schema.
+FREE_TEXT = {
+    "DBBenchAgent": {"system_prompt", "task_prompt", "invalid_action_text"},
+    "MedSQLAgent": {"instructions", "tool_description"},
+    "SpiderSQLAgent": {"system_prompt", "write_prompt", "check_prompt", "rewrite_prompt", "no_query_text", "dialect"},
+    "VerlBackend": {"agent", "store_address", "project_name"},  # agent: Hydra's choice of the agent option
+    "DevBackend": {"agent", "store_address", "base_url", "model", "api_key_env"},
+    "TRLBackend": {"device"},  # a torch device: auto, cpu, cuda, cuda:1, ...
+    "DBBenchData": {"data_dir", "entry_file"},
+    "MedQAData": {"data_dir", "train_split", "val_split"},  # a split is any <name>.parquet there
+    "SpiderData": {"spider_dir", "train_split", "val_split"},  # train, dev, or a file name there
+    "Endpoint": {"base_url", "model", "api_key_env"},
+    "HubModel": {"hub_id", "path"},
+    "TinyModel": {"hub_id", "path", "cache_dir"},
+    "LLMJudge": {"base_url", "model", "rubric", "api_key_env"},
+    "RewardModelReward": {"base_url"},
+    "WandbLogger": {"project", "entity"},
+    "DPOJob": {"pairs"},
+    "RewardModelTrainJob": {"pairs"},
+    "RewardModelServeJob": {"model_path", "host"},
+    "MergeLoraJob": {"adapter_path", "output_path"},
+    "StatusJob": {"sweep_dir"},
+}
+
+
+def scalar_type(annotation: Any) -> Any:
+    """int for `int` and `int | None`; the annotation itself otherwise."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+@pytest.mark.parametrize("schema", sorted(schemas()))
+def test_every_number_has_a_range_and_every_enumerated_string_its_choices(schema: str) -> None:
+    _, _, cls = schemas()[schema]
+    hints = typing.get_type_hints(cls)
+    free = FREE_TEXT.get(cls.__name__, set()) | {"name"}
+    for field in dataclasses.fields(cls):
+        kind = scalar_type(hints[field.name])
+        if kind in (int, float):
+            assert "bounds" in field.metadata, f"{cls.__name__}.{field.name}: a number with no declared range"
+        elif kind is str and field.name not in free:
+            assert "choices" in field.metadata, f"{cls.__name__}.{field.name}: not free text, yet no choices"
+    strings = {f.name for f in dataclasses.fields(cls) if scalar_type(hints[f.name]) is str}
+    assert FREE_TEXT.get(cls.__name__, set()) <= strings - set(declared(cls))  # no stale entry
+
+
+def test_free_text_names_only_schemas_that_exist() -> None:
+    assert set(FREE_TEXT) <= {cls.__name__ for _, _, cls in schemas().values()}
+
+
+ISSUE_LINES = [
+    ("algorithm", "algorithm.temperature=-1"),
+    ("agent", "agent.sql_timeout_s=-1"),
+    ("algorithm", "algorithm.loss_type=bogus"),
+    ("agent", "agent.result_max_rows=0"),
+    ("model", "model.vocab_size=0"),
+    ("", "seed=abc"),
+    ("endpoint", "endpoint.timeout_s=-1"),
+    ("endpoint", "endpoint.max_tokens=0"),
+    ("", "seed=-1"),
+    ("resources", "resources.nodes=0"),
+    ("resources", "resources.gpus_per_node=abc"),
+    ("reward", "reward=hybrid reward.terms.judge.timeout_s=0"),  # the components a group builds itself
+    ("reward", "reward=llm_judge reward.temperature=-0.5"),
+    ("finetune", "finetune=lora finetune.rank=0"),
+    ("job", "job=dpo job.learning_rate=0"),
+    ("job", "job=reward_model_serve job.model_path=/m job.port=70000"),
+    ("job", "job=status"),  # job.sweep_dir: ???
+    ("job", "job=train +job.steps=10"),  # a job with no keys but its name
+]
+
+
+@pytest.mark.parametrize(("group", "line"), ISSUE_LINES, ids=[line for _, line in ISSUE_LINES])
+def test_a_bad_value_is_rejected_naming_its_key(group: str, line: str) -> None:
+    overrides = line.split()
+    key = {"job=status": "job.sweep_dir"}.get(line) or overrides[-1].lstrip("+").split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}[ :]"):
+        check(group, compose_with(*overrides))
