@@ -33,7 +33,7 @@ class Resources:
     """What a run asks its cluster for and its trainer uses (`resources` in conf/config.yaml)."""
 
     nodes: int = number(1, ge=1)
-    gpus_per_node: int = number(1, ge=1)
+    gpus_per_node: int = number(1, ge=0)  # 0: CPU jobs (a SLURM sweep on a CPU cluster)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from hydra.utils import get_method
 from omegaconf import DictConfig
 
-from experiments.config import build_group
+from experiments.config import build_group, check_job, check_run
 from experiments.sweep import completed_run
 from foundation.interrupt import stop_signals
 from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
@@ -116,6 +116,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     tracker = None
     try:
         with stop_signals():  # SIGTERM / SIGINT: Interrupted, recorded below
+            check_run(cfg)  # seed, resources; the job's own keys next; its components when it builds them
+            check_job(cfg)
             tracker = start_tracker(cfg, run, hydra)
             results = job(cfg, run)
     except BaseException as exc:

@@ -1,15 +1,24 @@
-"""Jobs that take seconds instead of a training run, for the dispatch tests: `job._target_=tests.jobs.quick`."""
+"""Jobs that take seconds instead of a training run, for the dispatch tests: `job._target_=tests.jobs.quick
++job._schema_=tests.jobs.QuickJob` (the schema lets `+job.fail`, `+job.sleep_s` through the job group's check)."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from foundation.run_dir import RunDir
+
+
+@dataclass
+class QuickJob:
+    name: str = "train"
+    fail: bool = False  # raise instead of returning
+    sleep_s: float = 0.0  # sleep this long first
 
 
 def quick(cfg: DictConfig, run: RunDir) -> dict[str, Any]:

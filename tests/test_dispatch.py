@@ -23,7 +23,7 @@ from hydra_plugins.arl_launchers import slurm_launcher
 from hydra_plugins.arl_launchers.slurm_launcher import SlurmLauncher
 from tests.conftest import ROOT, launch
 
-QUICK = ["job._target_=tests.jobs.quick"]
+QUICK = ["job._target_=tests.jobs.quick", "+job._schema_=tests.jobs.QuickJob"]
 
 
 def executions(run_dir: Path) -> int:

@@ -226,7 +226,8 @@ def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
     slurm_cluster: None, tmp_path: Path
 ) -> None:
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "job._target_=tests.jobs.quick", "+job.sleep_s=20", *SLURM, f"hydra.sweep.dir={sweep_dir}"]
+    quick = ["job._target_=tests.jobs.quick", "+job._schema_=tests.jobs.QuickJob", "+job.sleep_s=20"]
+    args = ["-m", *quick, *SLURM, f"hydra.sweep.dir={sweep_dir}"]
 
     def launch(*extra: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "launch.py", *args, *extra]
@@ -251,6 +252,7 @@ def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
     args = [
         "-m",
         "job._target_=tests.jobs.quick",
+        "+job._schema_=tests.jobs.QuickJob",
         "+job.sleep_s=45",
         "seed=0,1",
         *SLURM,
