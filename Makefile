@@ -36,7 +36,9 @@ lint: setup
 test-fast: setup
 	$(BIN)/python -m pytest -m "not integration and not slurm and not verl"
 
-# The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl.
+# The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl; each on
+# 2 pytest-xdist workers (a file's tests go to one worker where they share a module fixture: `xdist_group` marks).
+XDIST := -n 2 --dist loadgroup
 test: lint setup-verl
-	$(BIN)/python -m pytest -m "not verl"
-	$(VERL_BIN)/python -m pytest -m verl tests/test_verl_*.py
+	$(BIN)/python -m pytest $(XDIST) -m "not verl"
+	$(VERL_BIN)/python -m pytest $(XDIST) -m verl tests/test_verl_*.py

@@ -28,7 +28,8 @@ from experiments.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, ROOT
 from tests.local_slurm import local_cluster
 
-pytestmark = pytest.mark.slurm
+# One xdist worker runs the whole file: its cluster and its sweep are module fixtures.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 CHECKPOINT_1 = Path("checkpoints", "checkpoint-1", "trainer_state.json")  # written last: the checkpoint is complete
 

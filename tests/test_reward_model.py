@@ -17,6 +17,8 @@ from models.tiny import train_tokenizer
 from rewards.reward_model import RewardModelReward, Scorer, create_app
 from tests.conftest import FAST_RUN, closed_port, launch, serve
 
+pytestmark = pytest.mark.xdist_group("reward_model")  # one xdist worker: the trained model is a module fixture
+
 TRAIN = ["job=reward_model_train", *FAST_RUN, "job.steps=150", "job.eval_pairs=60"]
 
 

@@ -18,7 +18,9 @@ from experiments.sweep import submitted_jobs
 from tests.conftest import launch
 from tests.local_slurm import local_cluster
 
-pytestmark = pytest.mark.verl
+# One xdist worker for the tests that start Ray (also tests/test_verl_train.py): two Ray clusters started at once
+# on one machine could find each other.
+pytestmark = [pytest.mark.verl, pytest.mark.xdist_group("ray")]
 
 # Each job: 2 nodes of 1 CPU, no GPU (this machine's cluster has none).
 SLURM_2_NODES = [
