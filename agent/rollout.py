@@ -38,6 +38,7 @@ class Rollout:
     reward: float | None
     error: str | None
     failure: str | None = None
+    reward_s: float | None = None  # how long the reward took, from its start (None: it never started)
 
     def record(self) -> dict[str, Any]:
         """The line written to `records.jsonl` / `samples/*.jsonl`."""
@@ -87,16 +88,21 @@ async def run_rollouts(
         error = trajectory.error
         failure = None if error is None else AGENT_ERROR
         score: float | None
+        reward_s = None
         try:
             async with reward_slots:  # the time limit counts from when the reward starts, not from when it queued
-                score = await asyncio.wait_for(_in_thread(reward, task, trajectory), reward_timeout_s)
+                started = time.monotonic()
+                try:
+                    score = await asyncio.wait_for(_in_thread(reward, task, trajectory), reward_timeout_s)
+                finally:
+                    reward_s = time.monotonic() - started
         except TimeoutError:
             score, error = None, error or f"reward timed out after {reward_timeout_s} s"
         except Exception as exc:
             score, error = None, error or f"reward failed: {type(exc).__name__}: {exc}"
         if score is None:  # missing is counted as such (EvalSummary.missing), not as an error
             failure = failure or REWARD_ERROR
-        return Rollout(task=task, trajectory=trajectory, reward=score, error=error, failure=failure)
+        return Rollout(task=task, trajectory=trajectory, reward=score, error=error, failure=failure, reward_s=reward_s)
 
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 

@@ -133,10 +133,11 @@ class TRLBackend:
             processing_class=tokenizer,
             peft_config=setup.finetune.peft_config(),
             rollout_func=rollout_func,
-            callbacks=[_StepLog(setup, rollout_func, validation), _StopAtStepEnd()],
+            callbacks=[step_log := _StepLog(setup, rollout_func, validation), _StopAtStepEnd()],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
         )
+        step_log.phase_s = trainer.phase_s
         start = time.monotonic()
         run.phase = "GRPO"
         with checkpoint_at_step_end():
@@ -216,18 +217,41 @@ class _StopAtStepEnd(TrainerCallback):
 
 
 class _StepLog(TrainerCallback):
-    """Writes TRL's per-step logs and the rollouts' stats to metrics.jsonl; validates every `val_every` steps."""
+    """Writes TRL's per-step logs, the rollouts' stats and the step's phase times (`timing_s/*`) to metrics.jsonl;
+    validates every `val_every` steps.
+
+    timing_s/step: the whole optimizer step, validation included; rollout: the agents, their tools and rewards
+    (overlapped); reward_sum: the rewards' own time, summed; scoring: the trainer's log-probs, advantages and IS
+    weights after the rollouts; update: forward, backward and optimizer; validation: when the step validated.
+    """
 
     def __init__(self, setup: TrainSetup, rollouts: AgentRollouts, validate: Any) -> None:
         self.setup = setup
         self.rollouts = rollouts
         self.validate = validate
         self.val_metrics: dict[str, float] = {}
+        self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
+        self._step_start = time.perf_counter()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._step_start = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
         step = state.global_step
         if step % self.setup.algorithm.val_every == 0 or step == state.max_steps:
+            start = time.perf_counter()
             self.val_metrics = self.validate(model, "final" if step == state.max_steps else f"step{step}")
+            self.val_metrics["timing_s/validation"] = time.perf_counter() - start
+
+    def _timings(self) -> dict[str, float]:
+        rollout = self.rollouts.last_stats.get("timing_s/rollout", 0.0)
+        timings = {
+            "timing_s/step": time.perf_counter() - self._step_start,
+            "timing_s/scoring": max(0.0, self.phase_s.get("generation", 0.0) - rollout),
+            "timing_s/update": self.phase_s.get("update", 0.0),
+        }
+        self.phase_s.clear()
+        return timings
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
         if not logs or "reward" not in logs:
@@ -237,5 +261,5 @@ class _StepLog(TrainerCallback):
             for k, v in logs.items()
             if k not in _NOT_STEP_METRICS
         }
-        self.setup.run.log(state.global_step, metrics | self.rollouts.last_stats | self.val_metrics)
+        self.setup.run.log(state.global_step, metrics | self.rollouts.last_stats | self._timings() | self.val_metrics)
         self.val_metrics = {}

@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,7 @@ class AgentRollouts:
         self._counter = 0
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        start = time.perf_counter()
         self.server.model = trainer.accelerator.unwrap_model(trainer.model)
         tasks = [json.loads(p) for p in prompts]
         rollouts, records = run_on_server(
@@ -138,6 +140,9 @@ class AgentRollouts:
                 for reason in EXCLUSION_REASONS
             },
             "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in trained) / max(1, len(trained)),
+            # the phase's wall time (agents, their tool calls and rewards, overlapped), and the rewards' own time
+            "timing_s/rollout": time.perf_counter() - start,
+            "timing_s/reward_sum": sum(r.reward_s or 0.0 for r in rollouts),
         }
         return {
             "prompt_ids": [s.prompt_ids for s in samples],

@@ -12,10 +12,16 @@ The weight multiplies each token's policy-gradient term. It is folded into the a
 token (shape (B, T)); since w >= 0, -min(r A w, clip(r) A w) = w * -min(r A, clip(r) A): the same as TRL's own
 `per_token_loss * importance_sampling_ratio`. Logged per step: `sampling/logp_diff/{mean,max}` (|delta log p| over
 model tokens), `sampling/is_ratio/mean` (before truncation) and `sampling/is_ratio/clipped_frac`.
+
+It also keeps each optimizer step's phase times in `phase_s` (read and cleared by the backend's step log):
+`generation` (the whole `_generate_and_score_completions`: rollouts, then the trainer's log-probs and advantages)
+and `update` (forward, backward and optimizer over the step's micro-batches, generation left out).
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -54,8 +60,23 @@ class AgentGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.is_correction = is_correction
         self.is_cap = is_cap
+        self.phase_s: defaultdict[str, float] = defaultdict(float)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        start, generation_before = time.perf_counter(), self.phase_s["generation"]
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        generated = self.phase_s["generation"] - generation_before  # this micro-batch's share, when it generated
+        self.phase_s["update"] += time.perf_counter() - start - generated
+        return loss
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        start = time.perf_counter()
+        try:
+            return self._corrected(inputs)
+        finally:
+            self.phase_s["generation"] += time.perf_counter() - start
+
+    def _corrected(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
         sampler_logps = output.get("sampling_per_token_logps")
         if self.is_correction == "none" or sampler_logps is None:
