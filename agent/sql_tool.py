@@ -42,6 +42,7 @@ LIMITS = (
     (sqlite3.SQLITE_LIMIT_WORKER_THREADS, 0),  # sorter threads: the query runs in the caller's thread only
 )
 MAX_SQL_CHARS = dict(LIMITS)[sqlite3.SQLITE_LIMIT_SQL_LENGTH]
+MAX_VALUE_BYTES = dict(LIMITS)[sqlite3.SQLITE_LIMIT_LENGTH]
 HEAP_LIMIT_BYTES = 2 << 30  # SQLite's heap in this process (all connections): past it, a statement is "out of memory"
 MAX_RESULT_BYTES = 64 << 20  # what one result may hold in Python (approximate: text and blob bytes, 16 per number)
 SCHEMA_STYLES = ("sql", "compact")  # how `schema_text` shows a database: CREATE TABLE statements, or one line per table
@@ -121,10 +122,9 @@ def _star_arguments(fmt: str) -> list[int]:
 def _bounded_printf(fmt: object, *args: object) -> object:
     """SQLite's printf, except that a `*` width or precision past the length limit gives NULL at once."""
     if isinstance(fmt, str):
-        limit = dict(LIMITS)[sqlite3.SQLITE_LIMIT_LENGTH]
         for i in _star_arguments(fmt):
             value = args[i] if i < len(args) else None
-            if isinstance(value, int | float) and not abs(value) <= limit:
+            if isinstance(value, int | float) and not abs(value) <= MAX_VALUE_BYTES:
                 return None
     helper = getattr(_printf_helper, "conn", None)
     if helper is None:

@@ -52,10 +52,9 @@ def resume_command(hydra: DictConfig, run: RunDir) -> str:
 
 def interruption(run: RunDir, hydra: DictConfig) -> dict[str, Any]:
     """Where an interrupted run stopped and how to go on."""
-    checkpoint = last_complete_checkpoint(run.checkpoints)
     return {
         "stopped_at": {"phase": run.phase, "step": run.last_step()},
-        "checkpoint": checkpoint and str(checkpoint),
+        "checkpoint": last_complete_checkpoint(run.checkpoints),
         "resume": resume_command(hydra, run),
     }
 
