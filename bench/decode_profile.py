@@ -81,7 +81,7 @@ def matmul_floor(model: Any, batch: int) -> tuple[float, int]:
 
 
 def engine_ms(model: Any, prompts: list[list[int]], tokens: int, repeats: int = 3) -> float:
-    from backends.generation import StaticGenerate
+    from inference.static import StaticGenerate
 
     engine = StaticGenerate(cuda_graphs=True, compile=True)
     kwargs = {"temperature": 1.0, "top_p": 1.0, "eos_ids": {-1}, "pad_id": 0}
@@ -100,7 +100,7 @@ def engine_ms(model: Any, prompts: list[list[int]], tokens: int, repeats: int = 
 def kernels(model: Any, prompts: list[list[int]], tokens: int = 65, top: int = 20) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    from backends.generation import StaticGenerate
+    from inference.static import StaticGenerate
 
     engine = StaticGenerate(cuda_graphs=False, compile=True)
     kwargs = {"temperature": 1.0, "top_p": 1.0, "eos_ids": {-1}, "pad_id": 0}

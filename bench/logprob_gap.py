@@ -1,8 +1,8 @@
 """How far the sampler's log-probs are from the trainer's: the engine/trainer mismatch that `algorithm.is_correction`
 corrects, measured through the training code itself.
 
-For each engine (the static engine with CUDA graphs and compiled decode layers, as backend=trl runs it on CUDA; and
-HF `generate`), one process, one model:
+For each engine (the static engine with CUDA graphs and compiled decode layers; vLLM colocated, as backend=trl runs
+them on CUDA; and HF `generate`), one process, one model:
 1. the engine samples completions for a batch of prompts of real agent lengths (bf16 weights, temperature 1) and
    reports each token's log-prob;
 2. `AgentGRPOTrainer` (TRL's GRPOTrainer with the correction, bf16 as backend=trl configures it on CUDA) scores the
@@ -15,6 +15,7 @@ the sampled distribution is that of a trained model sampling at temperature 1 (`
 gives the entropy reached. Both the raw random model and the scaled one are measured.
 
     python bench/logprob_gap.py --shape qwen3_0_6b --out bench/results/logprob_gap_h100.json
+    python bench/logprob_gap.py --shape qwen3_0_6b --engines static,vllm --out bench/results/logprob_gap_vllm_h100.json
     python bench/logprob_gap.py --shape tiny --device cpu        # the same code on a 2-layer model (gap ~0)
 """
 
@@ -88,15 +89,22 @@ def scale_to_entropy(model: PreTrainedModel, prompts: list[list[int]], target: f
     return scale, entropy_at(model, prompts)
 
 
-def measure(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any, engine_name: str, out: Path) -> dict:
+def make(engine_name: str, device: str, args: argparse.Namespace) -> Any:
+    """The engine as backend=trl builds it on CUDA (static: graphs + compiled layers; vllm: colocated)."""
+    from inference import VLLMSettings, make_engine
+
+    settings = VLLMSettings(max_model_len=args.max_prompt + args.tokens, gpu_memory_utilization=0.5)
+    return make_engine(engine_name, device, cuda_graphs=True, compile=True, vllm=settings)
+
+
+def measure(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any, engine: Any, out: Path) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from backends.generation import make_engine
     from backends.trl.trainer import AgentGRPOTrainer
 
     device = next(model.parameters()).device.type
-    engine = make_engine(engine_name, device, cuda_graphs=True, compile=True)
+    engine.load(model)  # vLLM copies the weights (the scaled variant changed the final norm); the others read them
     rng = torch.Generator().manual_seed(1)
     lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.batch,), generator=rng).tolist()
     vocab = model.config.vocab_size
@@ -111,7 +119,7 @@ def measure(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any, en
             [args.tokens] * len(batch_prompts),
             temperature=1.0,
             top_p=1.0,
-            eos_ids={NO_TOKEN},
+            eos_ids={NO_TOKEN} if engine.name != "vllm" else set(),  # nothing stops a row: vLLM ignores eos
             pad_id=0,
         )
         timings.append(time.monotonic() - start)
@@ -162,7 +170,7 @@ def measure(args: argparse.Namespace, model: PreTrainedModel, tokenizer: Any, en
         rounds.append({k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")})
     engine.release()
     return {
-        "engine": engine_name,
+        "engine": engine.name,
         "rounds": rounds,
         "median": {k: statistics.median(r[k] for r in rounds) for k in rounds[0]},
         "generation_s": timings,
@@ -208,14 +216,15 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = build(args.shape, Path(tmp) / "model", args.device)
+        engines = {name: make(name, args.device, args) for name in args.engines.split(",")}
         probe = [torch.randint(1, model.config.vocab_size, (256,)).tolist() for _ in range(4)]
         for variant in ("random", "scaled"):
             if variant == "scaled":
                 scale, reached = scale_to_entropy(model, probe, args.entropy)
             else:
                 scale, reached = 1.0, entropy_at(model, probe)
-            for engine in args.engines.split(","):
-                result = measure(args, model, tokenizer, engine, Path(tmp) / "trainer")
+            for engine, built in engines.items():
+                result = measure(args, model, tokenizer, built, Path(tmp) / "trainer")
                 result |= {"variant": variant, "norm_scale": scale, "entropy_nats": reached}
                 report["results"].append(result)
                 m = result["median"]

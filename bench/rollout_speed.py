@@ -120,7 +120,7 @@ def check_engines(device: str, compile_check: bool) -> list[dict[str, Any]]:
     """
     from peft import LoraConfig, get_peft_model
 
-    from backends.generation import HFGenerate, StaticGenerate
+    from inference import HFGenerate, StaticGenerate
 
     checks = []
     for name, shape in SHAPES["tiny"].items():
@@ -237,10 +237,10 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from backends.policy_server import PolicyServer
     from backends.trl.backend import _passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
+    from inference.policy_server import PolicyServer
     from models.tiny import train_tokenizer
 
     if torch.cuda.is_available():
@@ -293,7 +293,7 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
             max_prompt_tokens=algo.max_prompt_length,
             max_response_tokens=algo.max_response_length,
             batch_wait_s=backend.batch_wait_s,
-            engine=backend.engine(),
+            engine=backend.engine(algo.max_prompt_length + algo.max_response_length),
         )
         rollouts = AgentRollouts(agent, parts["reward"], server, algo.sampling(algo.temperature), args.tokens)
         trainer = AgentGRPOTrainer(  # as backend=trl builds it: with the importance-sampling correction
@@ -320,7 +320,7 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     result = {
         "case": case,
         "variant": variant,
-        "engine": type(backend.engine()).__name__ if server else "trl:hf_generate",
+        "engine": type(server.engine).__name__ if server else "trl:hf_generate",
         "steps": timer.steps,
         "generation_s": generation,
         "median_step_s": statistics.median(measured),

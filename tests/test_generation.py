@@ -16,11 +16,11 @@ from peft import LoraConfig, get_peft_model
 from trl.trainer.utils import selective_log_softmax
 
 from agent.llm import OpenAIChat
-from backends.generation import HFGenerate, StaticGenerate, make_engine
-from backends.policy_server import PolicyServer
 from backends.trl.rollouts import Sample, flatten
 from experiments.config import build_components
 from foundation.errors import ConfigError
+from inference import HFGenerate, StaticGenerate, make_engine
+from inference.policy_server import PolicyServer
 from tests.conftest import micro_tiny
 
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people WHERE age > 30"] * 10

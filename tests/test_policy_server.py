@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from agent.llm import OpenAIChat
-from backends.policy_server import PolicyServer
 from backends.trl.rollouts import flatten
+from inference.policy_server import PolicyServer
 from tests.conftest import micro_tiny
 
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10

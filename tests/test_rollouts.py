@@ -18,10 +18,10 @@ from agent.llm import OpenAIChat
 from agent.rollout import run_rollouts
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
-from backends.policy_server import PolicyServer
 from backends.trl.backend import TRLBackend, _passthrough_reward
 from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer, importance_weights
+from inference.policy_server import PolicyServer
 from tests.conftest import micro_tiny
 
 GROUP = 4

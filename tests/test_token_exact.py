@@ -18,10 +18,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from backends.generation import Completion
-from backends.policy_server import PolicyServer
 from backends.trl.rollouts import Sample, flatten
 from experiments.config import build_components
+from inference.engine import Completion
+from inference.policy_server import PolicyServer
 from models.chat import ChatFormat
 from tests.conftest import ROOT, micro_tiny
 

@@ -21,15 +21,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from trl import GRPOConfig
 
 from backends.algorithm import GRPO
-from backends.generation import ENGINES, Engine, make_engine
-from backends.policy_server import PolicyServer
 from backends.setup import TrainSetup
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts
 from backends.trl.trainer import AgentGRPOTrainer
+from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.run_dir import last_complete_checkpoint
 from foundation.schema import number, one_of
+from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm
+from inference.policy_server import PolicyServer
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -45,15 +46,36 @@ class TRLBackend:
     generation_engine: str = one_of("auto", ("auto", *ENGINES))
     cuda_graphs: bool = True
     compile_decode: bool = True
+    vllm_gpu_memory_utilization: float = number(0.5, gt=0, le=1)  # share of the GPU vLLM takes (weights, KV cache)
+    vllm_max_num_seqs: int = number(256, ge=1)  # requests vLLM decodes together at most
+    vllm_prefix_caching: bool = True
+    vllm_sleep: bool = True
+    vllm_enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self._engine: Engine | None = None
+        if self.generation_engine == "vllm":  # before any model loads: the extra and a GPU must be there
+            try:
+                require_vllm(self.resolved_device())
+            except RuntimeError as exc:
+                raise ConfigError(f"backend.generation_engine=vllm: {exc}") from exc
 
-    def engine(self) -> Engine:
-        """One engine for the run (its cache and CUDA graphs serve training and validation alike)."""
+    def engine(self, max_model_len: int) -> Engine:
+        """One engine for the run (its cache, graphs or vLLM serve training and validation alike)."""
         if self._engine is None:
             self._engine = make_engine(
-                self.generation_engine, self.resolved_device(), self.cuda_graphs, self.compile_decode
+                self.generation_engine,
+                self.resolved_device(),
+                cuda_graphs=self.cuda_graphs,
+                compile=self.compile_decode,
+                vllm=VLLMSettings(
+                    max_model_len=max_model_len,
+                    gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+                    max_num_seqs=self.vllm_max_num_seqs,
+                    prefix_caching=self.vllm_prefix_caching,
+                    sleep=self.vllm_sleep,
+                    enforce_eager=self.vllm_enforce_eager,
+                ),
             )
         return self._engine
 
@@ -87,7 +109,7 @@ class TRLBackend:
             summary, rollouts = validate_policy(
                 setup.agent, val_tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s
             )
-            self.engine().release()  # the validation batch's KV cache would otherwise stay through training
+            server.engine.release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
             results[f"val_{name}"] = vars(summary)
             run.phase = phase
@@ -159,7 +181,7 @@ class TRLBackend:
             max_prompt_tokens=algo.max_prompt_length,
             max_response_tokens=algo.max_response_length,
             batch_wait_s=self.batch_wait_s,
-            engine=self.engine(),
+            engine=self.engine(algo.max_prompt_length + algo.max_response_length),
             chat_format=setup.model.chat_format(tokenizer),
         )
 
@@ -220,7 +242,8 @@ class _StepLog(TrainerCallback):
     """Writes TRL's per-step logs, the rollouts' stats and the step's phase times (`timing_s/*`) to metrics.jsonl;
     validates every `val_every` steps.
 
-    timing_s/step: the whole optimizer step, validation included; rollout: the agents, their tools and rewards
+    timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
+    generation engine (vLLM; ~0 for engines that read the model's own); rollout: the agents, their tools and rewards
     (overlapped); reward_sum: the rewards' own time, summed; scoring: the trainer's log-probs, advantages and IS
     weights after the rollouts; update: forward, backward and optimizer; validation: when the step validated.
     """
@@ -245,6 +268,7 @@ class _StepLog(TrainerCallback):
 
     def _timings(self) -> dict[str, float]:
         rollout = self.rollouts.last_stats.get("timing_s/rollout", 0.0)
+        rollout += self.rollouts.last_stats.get("timing_s/weight_sync", 0.0)
         timings = {
             "timing_s/step": time.perf_counter() - self._step_start,
             "timing_s/scoring": max(0.0, self.phase_s.get("generation", 0.0) - rollout),

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
-from backends.policy_server import CallRecord, PolicyServer
+from inference.policy_server import CallRecord, PolicyServer
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,15 @@ class AgentRollouts:
         self._counter = 0
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        weight_sync_s = self.server.load(trainer.accelerator.unwrap_model(trainer.model))
         start = time.perf_counter()
-        self.server.model = trainer.accelerator.unwrap_model(trainer.model)
         tasks = [json.loads(p) for p in prompts]
-        rollouts, records = run_on_server(
-            self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
-        )
+        try:
+            rollouts, records = run_on_server(
+                self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
+            )
+        finally:
+            self.server.engine.sleep()  # the update gets the memory an engine with its own weights holds
         pad_id = self.server.tokenizer.pad_token_id
         samples = [self._sample(r, calls, pad_id) for r, calls in zip(rollouts, records, strict=True)]
         n = len(rollouts)
@@ -142,6 +145,7 @@ class AgentRollouts:
             "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in trained) / max(1, len(trained)),
             # the phase's wall time (agents, their tool calls and rewards, overlapped), and the rewards' own time
             "timing_s/rollout": time.perf_counter() - start,
+            "timing_s/weight_sync": weight_sync_s,  # the trainer's weights into the engine, before the rollouts
             "timing_s/reward_sum": sum(r.reward_s or 0.0 for r in rollouts),
         }
         return {
@@ -203,7 +207,8 @@ def validate_policy(
     sampling: dict[str, Any],
     reward_timeout_s: float | None = None,
 ) -> tuple[EvalSummary, list[Rollout]]:
-    """Evaluation of the server's current model on `tasks` (greedy when `sampling` says so), all batched together."""
+    """Evaluation of the server's model on `tasks` (greedy when `sampling` says so), all batched together."""
+    server.load(server.model)
     chats = [server.chat_model(f"val{i}", sampling) for i in range(len(tasks))]
 
     async def go() -> tuple[EvalSummary, list[Rollout]]:
@@ -220,5 +225,6 @@ def validate_policy(
     try:
         return asyncio.run(go())
     finally:
+        server.engine.sleep()
         for i in range(len(tasks)):
             server.pop_records(f"val{i}")

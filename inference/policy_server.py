@@ -9,16 +9,18 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
   the previous prompt + the ids sampled for it + the template's delta for the new messages only. A call whose
   messages do not extend the conversation that way (the agent rewrote or dropped a message) is answered from a fresh
   rendering, and its rollout is marked `inexact`: its sample cannot be built exactly.
-- Requests from concurrent rollouts are generated together: a batch starts when every active rollout is waiting on
-  the model (or once no new request has come for `batch_wait_s`), so the agents of one training step share one
-  `generate` call per turn.
+- Requests from concurrent rollouts are generated together. A continuous engine (vLLM) gets each request the moment
+  it arrives and adds it to its running batch. Any other engine gets batches: a batch starts when every active
+  rollout is waiting on the model (or once no new request has come for `batch_wait_s`), so the agents of one
+  training step share one `generate` call per turn.
 - Lengths are per rollout, as the trainer sees them: the first prompt is at most `max_prompt_tokens` (else HTTP 400),
   and everything after it (all replies, and the tokens added between turns) at most `max_response_tokens`. A call made
   after that budget is spent gets an empty reply with `finish_reason="length"` that the model never sampled, and its
   rollout is marked `overflow`.
 - Replies: a leading `<think>` block comes back as `reasoning_content`; with `tools` in the request, tool calls in the
   model's format come back as OpenAI `tool_calls`. Parsing reads the sampled text; nothing is rendered back.
-- The tokens, and each one's log-probability, come from a generation engine (`backends/generation.py`).
+- The tokens, and each one's log-probability, come from a generation engine (`inference/`). `load(model)` before a
+  rollout phase gives the engine the model's current weights.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from pydantic import BaseModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from agent.llm import OpenAIChat
-from backends.generation import Completion, Engine, HFGenerate
+from inference.engine import Completion, ContinuousEngine, Engine
+from inference.hf import HFGenerate
 from models.chat import ChatFormat, same_message
 
 DEFAULT_ROLLOUT = "default"
@@ -116,6 +119,14 @@ class PolicyServer:
         self.app = self._build_app()
 
     # ---- what the trainer uses ---------------------------------------------------------------------------------
+    def load(self, model: PreTrainedModel) -> float:
+        """Serve `model` with its current weights (an engine that keeps its own copy gets them now); returns the
+        seconds the weight sync took."""
+        start = time.perf_counter()
+        self.model = model
+        self.engine.load(model)
+        return time.perf_counter() - start
+
     def chat_model(self, rollout_id: str, sampling: dict[str, Any]) -> OpenAIChat:
         """An in-process client (no sockets) whose calls are recorded under `rollout_id`."""
         self.rollouts[rollout_id] = _RolloutState()
@@ -178,6 +189,15 @@ class PolicyServer:
         wanted = request.max_completion_tokens or request.max_tokens or self.max_response_tokens
         if budget <= 0:  # the rollout has used its budget: answer at once, as a generation cut by length
             completion, sampled = Completion([], "length", []), False
+        elif isinstance(self.engine, ContinuousEngine):
+            completion = await self.engine.submit(
+                prompt_ids,
+                min(wanted, budget),
+                temperature=request.temperature,
+                top_p=request.top_p,
+                eos_ids=self._eos_ids(),
+            )
+            sampled = True
         else:
             loop = asyncio.get_running_loop()
             pending = _Pending(
@@ -286,15 +306,17 @@ class PolicyServer:
         self.generate_calls += len(groups)
         return [r for r in results if r is not None]
 
+    def _eos_ids(self) -> set[int]:
+        return set(_as_list(self.model.generation_config.eos_token_id) or [self.tokenizer.eos_token_id])
+
     def _generate_group(self, items: list[_Pending], temperature: float, top_p: float) -> list[Completion]:
-        eos_ids = set(_as_list(self.model.generation_config.eos_token_id) or [self.tokenizer.eos_token_id])
         return self.engine.generate(
             self.model,
             [item.prompt_ids for item in items],
             [item.max_new_tokens for item in items],
             temperature=temperature,
             top_p=top_p,
-            eos_ids=eos_ids,
+            eos_ids=self._eos_ids(),
             pad_id=self.tokenizer.pad_token_id,
         )
 

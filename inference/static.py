@@ -1,7 +1,4 @@
-"""Generation engines behind the policy server: token id prompts in, sampled completions out.
-
-- `HFGenerate`: `model.generate` (transformers), one padded batch; any model, any device. What TRL itself does.
-- `StaticGenerate`: a decode loop of its own for Llama-style decoders (Qwen2, Qwen3, Llama): a static KV cache,
+"""`StaticGenerate`: a decode loop of its own for Llama-style decoders (Qwen2, Qwen3, Llama): a static KV cache,
   the prompts prefilled in one pass, then one token per step for the whole batch. On CUDA each decode step is captured
   as a CUDA graph (one per batch bucket and attended length), so a step costs one graph launch instead of a thousand
   kernel launches from Python; with `compile`, the two halves of a layer are compiled first (torch.compile fuses the
@@ -21,120 +18,18 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
-from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers import PreTrainedModel
+
+from inference.engine import Completion, finish
+from inference.hf import HFGenerate
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    finish_reason: str  # "stop" (ended with an eos id) or "length"
-    # log p of each token under logits / temperature (logits as they are when greedy), what the trainer computes
-    logprobs: list[float] | None = None
-
-
-class Engine(Protocol):
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompts: list[list[int]],
-        max_new_tokens: list[int],
-        *,
-        temperature: float,
-        top_p: float,
-        eos_ids: set[int],
-        pad_id: int,
-    ) -> list[Completion]: ...
-
-    def release(self) -> None:
-        """Free what the engine keeps between calls (a cache, graphs)."""
-        ...
-
-
-def _finish(ids: list[int], max_new: int, eos_ids: set[int], logprobs: list[float] | None = None) -> Completion:
-    """Cut a row at its own budget and at its first eos id (kept, as the model produced it)."""
-    ids = ids[:max_new]
-    stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
-    end = len(ids) if stop is None else stop + 1
-    lps = None if logprobs is None else logprobs[:end]
-    return Completion(ids[:end], "length" if stop is None else "stop", lps)
-
-
-class HFGenerate:
-    """`model.generate` on one left-padded batch (dynamic cache, the model's attention implementation); each sampled
-    token's log-probability from the step's raw logits scaled by the temperature."""
-
-    name = "hf"
-
-    def release(self) -> None:
-        """Nothing is kept between calls."""
-
-    def generate(
-        self,
-        model: PreTrainedModel,
-        prompts: list[list[int]],
-        max_new_tokens: list[int],
-        *,
-        temperature: float,
-        top_p: float,
-        eos_ids: set[int],
-        pad_id: int,
-    ) -> list[Completion]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention[row, width - len(ids) :] = 1
-        device = next(model.parameters()).device
-        sampling: dict[str, Any] = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-        if temperature <= 0:
-            sampling = {"do_sample": False}
-        recorder = _LogprobRecorder(temperature if temperature > 0 else 1.0)
-        tokens = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
-            max_new_tokens=max(max_new_tokens),
-            pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids),
-            repetition_penalty=1.0,  # sample from the policy itself, whatever the checkpoint's generation_config says
-            logits_processor=LogitsProcessorList([recorder]),
-            **sampling,
-        )[:, width:]
-        logprobs = recorder.finish(tokens[:, -1]).tolist()
-        return [
-            _finish(ids, n, eos_ids, lps) for ids, n, lps in zip(tokens.tolist(), max_new_tokens, logprobs, strict=True)
-        ]
-
-
-class _LogprobRecorder(LogitsProcessor):
-    """Records log p(token) under logits / temperature for each sampled token, one step late (a processor sees the
-    logits before the token is drawn, and the drawn token at the next step). Runs before transformers' warpers, so it
-    sees the model's logits; keeps one step's row per sequence, not the whole history `output_logits` would."""
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self.steps: list[torch.Tensor] = []
-        self.previous: torch.Tensor | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.previous is not None:
-            self.steps.append(self.previous.gather(1, input_ids[:, -1:])[:, 0])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
-        """(batch, steps) log-probs, given the last step's tokens."""
-        assert self.previous is not None, "generate ran no step"
-        self.steps.append(self.previous.gather(1, last_tokens[:, None])[:, 0])
-        return torch.stack(self.steps, dim=1).cpu()
 
 
 @dataclass
@@ -522,6 +417,12 @@ class StaticGenerate:
         cos, sin = layout.rotary(torch.zeros(1, dtype=dtype, device=device), positions)
         self._decoder = _Decoder(layout, self._cache, cos[0], sin[0], self.compile and device.type == "cuda")
 
+    def load(self, model: PreTrainedModel) -> None:
+        """Nothing to do here: every call refreshes the copies from the model's weights."""
+
+    def sleep(self) -> None:
+        """Kept: the cache and the graphs are reused by the next rollout phase (`release` frees them)."""
+
     def release(self) -> None:
         """Free the cache, the graphs and the merged LoRA copies (rebuilt on the next call)."""
         self._cache, self._rows, self._graphs, self._decoder, self._pool = [], {}, {}, None, None
@@ -650,18 +551,4 @@ class StaticGenerate:
                 break
         out = r.out[:n, :taken].tolist()
         logp = r.logp[:n, :taken].tolist()
-        return [_finish(ids_, m, eos_ids, lp) for ids_, m, lp in zip(out, max_new_tokens, logp, strict=True)]
-
-
-ENGINES = {"hf": HFGenerate, "static": StaticGenerate}
-
-
-def make_engine(name: str, device: str, cuda_graphs: bool = True, compile: bool = False) -> Engine:
-    """`auto`: StaticGenerate on CUDA (it falls back to HFGenerate for models it does not support), else HFGenerate."""
-    if name == "auto":
-        name = "static" if device == "cuda" else "hf"
-    if name == "static":
-        return StaticGenerate(cuda_graphs=cuda_graphs, compile=compile)
-    if name == "hf":
-        return HFGenerate()
-    raise ValueError(f"unknown generation engine {name!r} (known: auto, {', '.join(ENGINES)})")
+        return [finish(ids_, m, eos_ids, lp) for ids_, m, lp in zip(out, max_new_tokens, logp, strict=True)]

@@ -1,0 +1,375 @@
+"""`VLLMEngine`: vLLM's engine inside the training process (colocated, as TRL's `vllm_mode="colocate"`).
+
+- Token ids in, token ids and log-probs out: prompts are `TokensPrompt`s and vLLM has no tokenizer
+  (`skip_tokenizer_init`); the sampled token's log-prob comes after the temperature (`logprobs_mode=
+  "processed_logprobs"`, the engine contract of `inference/engine.py`); the checkpoint's generation_config is ignored
+  (`generation_config="vllm"`), so the request's temperature and top_p are what sample; eos ids are the request's.
+- Continuous batching: `submit` hands one request to the engine thread the moment an agent sends it; the thread adds
+  it to vLLM's running batch before the next `step()` (a decode step for the running requests, prefill chunks for the
+  new ones) and returns each finished request to its waiting coroutine. No request waits for another turn to end.
+- Prefix caching: every turn re-sends the conversation and every group shares its task prompt; vLLM's prefix cache
+  keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale).
+- Weights: vLLM starts with dummy weights built from the model's config; `load(model)` copies the trainer's current
+  weights in through vLLM's own `load_weights` (the checkpoint's names and its q/k/v, gate/up stacking), before every
+  rollout phase. LoRA: each adapted weight is sent merged, W + B·A·scaling computed into a copy (PEFT's
+  `get_delta_weight`); the trainer's weights are never touched (merging and unmerging in place in bf16 would drift
+  them a little every step). Merged weights rather than vLLM's LoRA adapters because generation then runs plain
+  matrix products, as with full fine-tuning; the price is sending the full weights once per step, device to device.
+- Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
+  rollout phase frees all of it (level 2: weights and KV cache), so the update has it; the next `load` wakes vLLM.
+
+One thread owns vLLM: it is created, stepped, loaded, put to sleep and woken there, so nothing else touches it
+concurrently. Installed by the `vllm` extra (pinned to the set verified on the GPU machine: README, "Versions").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import socket
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from inference.engine import Completion, finish
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install -e '.[vllm]' -c constraints-vllm.txt"
+
+
+def vllm_available() -> bool:
+    """True when vLLM can be imported here (it is not installed on CPU machines)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_vllm(device: str) -> None:
+    """Raise a clear error when vLLM cannot run here: no CUDA device, or the extra is not installed."""
+    if not device.startswith("cuda"):
+        raise RuntimeError(f"the vLLM engine needs a CUDA device (backend.device resolves to {device!r})")
+    if not vllm_available():
+        raise RuntimeError(f"the vLLM engine needs vLLM, which is not installed: {INSTALL_HINT}")
+
+
+@dataclass
+class VLLMSettings:
+    max_model_len: int  # the longest sequence: a rollout's first prompt + its whole response budget
+    gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM takes for weights and KV cache
+    max_num_seqs: int = 256  # requests decoded together at most
+    prefix_caching: bool = True  # reuse KV blocks of shared prefixes (turns re-send the conversation)
+    sleep: bool = True  # free vLLM's GPU memory during the update (sleep level 2); woken by the next load
+    enforce_eager: bool = False  # no CUDA graphs, no torch.compile (faster start, slower decode)
+    max_num_batched_tokens: int = 8192  # tokens per engine step (prefill chunks + decodes)
+    seed: int = 0
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    eos_ids: set[int]
+    done: Callable[[Completion | BaseException], None]
+
+
+def trainer_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under its checkpoint's names (what vLLM's `load_weights` maps); a LoRA layer's weight is
+    a merged copy, W + the active adapters' deltas, and the adapters themselves are left out."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lora = {name: m for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+    with torch.no_grad():
+        for name, param in base.named_parameters():
+            if ".lora_" in name or ".original_module." in name:
+                continue
+            name = name.replace(".modules_to_save.default.", ".")
+            owner, _, leaf = name.rpartition(".")
+            if owner.endswith(".base_layer") and owner.removesuffix(".base_layer") in lora:
+                owner = owner.removesuffix(".base_layer")
+                name = f"{owner}.{leaf}"
+                if leaf == "weight":
+                    yield name, _merged(lora[owner], param)
+                    continue
+            yield name, param.detach()
+
+
+def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
+    adapters = [a for a in getattr(layer, "active_adapters", []) if a in layer.lora_A]
+    if layer.merged or layer.disable_adapters or not adapters:
+        return weight.detach()
+    out = weight.detach().clone()
+    for adapter in adapters:
+        out += layer.get_delta_weight(adapter).to(out.dtype)
+    return out
+
+
+def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
+    """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones)."""
+    from vllm import LLM
+
+    # One process, one engine: vLLM's external launcher runs the engine in this process (no engine process, so its
+    # model is reachable for load_weights); it reads the torchrun variables, defaulted here for a single process.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = next(base.parameters()).dtype
+    config_dir = tempfile.mkdtemp(prefix="vllm-config-")
+    base.config.save_pretrained(config_dir)
+    return LLM(
+        model=config_dir,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype=dtype,
+        max_model_len=settings.max_model_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_model_len),
+        enable_prefix_caching=settings.prefix_caching,
+        enable_sleep_mode=settings.sleep,
+        enforce_eager=settings.enforce_eager,
+        distributed_executor_backend="external_launcher",
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+        seed=settings.seed,
+    )
+
+
+def _sampling_params(request: _Request) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    greedy = request.temperature <= 0
+    stop_ids = sorted(t for t in request.eos_ids if t >= 0)  # a negative id (no token has it) stops nothing
+    return SamplingParams(
+        max_tokens=request.max_new_tokens,
+        temperature=0.0 if greedy else request.temperature,
+        top_p=1.0 if greedy else request.top_p,
+        top_k=0,
+        stop_token_ids=stop_ids,
+        ignore_eos=not stop_ids,  # no eos ids: run to the budget (benchmarks)
+        logprobs=0,  # the sampled token's own log-prob
+        detokenize=False,
+        skip_special_tokens=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+class VLLMEngine:
+    """vLLM in this process, continuously batched; see the module docstring."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        settings: VLLMSettings,
+        start: Callable[[PreTrainedModel, VLLMSettings], Any] = _start_llm,
+        sampling_params: Callable[[_Request], Any] = _sampling_params,
+    ) -> None:
+        self.settings = settings
+        self._start = start  # builds the LLM (the tests pass a fake one)
+        self._sampling_params = sampling_params
+        self._llm: Any = None
+        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._pending: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._asleep = False
+        self._broken: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.weight_loads = 0
+        self.steps = 0  # engine steps run (each a decode step of the running batch, with any prefill chunks)
+        self.max_running = 0  # the most requests in flight at once
+
+    # ---- the engine interface ----------------------------------------------------------------------------------
+    def load(self, model: PreTrainedModel) -> None:
+        """Start vLLM (the first time), wake it, and copy `model`'s current weights in."""
+        self._call(lambda: self._load(model))
+
+    def sleep(self) -> None:
+        """Free vLLM's weights and KV cache for the update (with `settings.sleep`); the next `load` wakes it."""
+        if self.settings.sleep and self._llm is not None:
+            self._call(self._sleep)
+
+    def release(self) -> None:
+        """What vLLM holds on the GPU is freed by sleeping; the engine itself stays (restarting it costs a minute)."""
+        self.sleep()
+
+    async def submit(
+        self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float, top_p: float, eos_ids: set[int]
+    ) -> Completion:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Completion] = loop.create_future()
+
+        def done(result: Completion | BaseException) -> None:
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        request = _Request(list(prompt_ids), max_new_tokens, temperature, top_p, set(eos_ids), done)
+        request_id = str(next(self._ids))
+        self._send(lambda: self._add(request_id, request))
+        try:
+            return await future
+        except asyncio.CancelledError:  # the agent gave up on this call: stop generating for it
+            self._send(lambda: self._abort(request_id))
+            raise
+
+    def generate(
+        self,
+        model: PreTrainedModel,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        *,
+        temperature: float,
+        top_p: float,
+        eos_ids: set[int],
+        pad_id: int,
+    ) -> list[Completion]:
+        """All prompts submitted at once; the weights are the last `load`'s (the model argument is not read)."""
+        futures: list[Future[Completion]] = []
+        for prompt, max_new in zip(prompts, max_new_tokens, strict=True):
+            future: Future[Completion] = Future()
+            request = _Request(list(prompt), max_new, temperature, top_p, set(eos_ids), _resolver(future))
+            request_id = str(next(self._ids))
+            self._send(lambda r=request, i=request_id: self._add(i, r))
+            futures.append(future)
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        """Stop the engine thread (vLLM is freed with the process)."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    # ---- the engine thread --------------------------------------------------------------------------------------
+    def _send(self, command: Callable[[], None]) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+            self._thread.start()
+        self._inbox.put(command)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread and wait for it (weights, sleep: only while no request is in flight)."""
+        future: Future[None] = Future()
+
+        def command() -> None:
+            try:
+                if self._pending:
+                    raise RuntimeError(f"{len(self._pending)} requests are still running")
+                fn()
+                future.set_result(None)
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._send(command)
+        future.result()
+
+    def _run(self) -> None:
+        while True:
+            try:  # take every command that arrived before stepping; block only when nothing runs
+                command = self._inbox.get_nowait() if self._pending else self._inbox.get()
+            except queue.Empty:
+                self._step()
+                continue
+            if command is None:
+                return
+            command()
+
+    def _add(self, request_id: str, request: _Request) -> None:
+        try:
+            if self._llm is None or self._asleep:
+                raise RuntimeError("the vLLM engine has no weights loaded: call load(model) first")
+            prompt = {"prompt_token_ids": request.prompt_ids}  # vLLM's TokensPrompt
+            self._llm.llm_engine.add_request(request_id, prompt, self._sampling_params(request))
+        except Exception as exc:
+            request.done(exc)
+            return
+        self._pending[request_id] = request
+        self.max_running = max(self.max_running, len(self._pending))
+
+    def _abort(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is not None:
+            self._llm.llm_engine.abort_request([request_id], internal=False)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._llm.llm_engine.step()
+        except BaseException as exc:  # a failed step leaves vLLM in an unknown state: fail everything from now on
+            self._broken = exc
+            for request in self._pending.values():
+                request.done(exc)
+            self._pending.clear()
+            return
+        self.steps += 1
+        for output in outputs:
+            request = self._pending.pop(output.request_id, None)
+            if request is not None and output.finished:
+                request.done(_completion(output, request))
+
+    def _load(self, model: PreTrainedModel) -> None:
+        if self._llm is None:
+            self._llm = self._start(model, self.settings)
+        elif self._asleep:
+            torch.cuda.empty_cache()  # what the trainer's allocator cached goes back before vLLM takes it again
+            self._llm.wake_up(tags=["weights"])
+        runner = self._llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.model.load_weights(weights=trainer_weights(model))
+        if self._asleep:
+            self._llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        self._llm.reset_prefix_cache()  # blocks computed with the previous weights
+        self.weight_loads += 1
+
+    def _sleep(self) -> None:
+        if not self._asleep:
+            self._llm.sleep(level=2)
+            self._asleep = True
+
+
+def _completion(output: Any, request: _Request) -> Completion:
+    sample = output.outputs[0]
+    ids = list(sample.token_ids)
+    logprobs = None
+    if sample.logprobs is not None:
+        logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, ids, strict=True)]
+    return finish(ids, request.max_new_tokens, request.eos_ids, logprobs)
+
+
+def _settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
+    if future.done():  # cancelled meanwhile
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _resolver(future: Future[Completion]) -> Callable[[Completion | BaseException], None]:
+    def done(result: Completion | BaseException) -> None:
+        with contextlib.suppress(Exception):  # already settled
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    return done

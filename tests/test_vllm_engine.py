@@ -1,0 +1,276 @@
+"""The vLLM engine's wiring, without vLLM: a fake `LLM` with vLLM's interface (add_request / step / abort_request,
+sleep / wake_up, the worker's model.load_weights) records the order of events. What it checks: requests join the
+running batch as they arrive (continuous batching through the policy server), the trainer's weights go in under the
+checkpoint's names with LoRA merged into copies, sleep and wake around the update, cancelled calls are aborted, and
+the config's errors name the key and the extra. vLLM's own behaviour is checked on the GPU (bench/vllm_check.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from peft import LoraConfig, get_peft_model
+
+from backends.trl.rollouts import flatten
+from experiments.config import build_components
+from foundation.errors import ConfigError
+from inference import make_engine, resolve_engine
+from inference.policy_server import PolicyServer
+from inference.vllm import VLLMEngine, VLLMSettings, trainer_weights
+from tests.conftest import micro_tiny
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10
+
+
+class FakeLLM:
+    """vLLM's LLM as VLLMEngine uses it. Each step adds one token to every running request: token = (prompt length
+    + position) % vocab, log-prob -0.5 - position / 100; a request ends at its max tokens or a stop id."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.events: list[tuple[Any, ...]] = []
+        self.running: dict[str, dict[str, Any]] = {}
+        self.loaded: list[str] = []
+        self.step_no = 0
+        self.batch_sizes: list[int] = []
+        self.hold_long_until_adds = 0  # a request of over 10 tokens does not end before this many requests came
+        self.llm_engine = self
+        model = SimpleNamespace(load_weights=self._load_weights)
+        self.model_executor = SimpleNamespace(
+            driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+        )
+
+    def _load_weights(self, weights: Any) -> None:
+        self.loaded = [name for name, _ in weights]
+        self.events.append(("load_weights",))
+
+    def add_request(self, request_id: str, prompt: dict[str, list[int]], params: Any) -> None:
+        self.events.append(("add", request_id, self.step_no))
+        self.running[request_id] = {"prompt": prompt["prompt_token_ids"], "params": params, "out": []}
+
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        for request_id in request_ids:
+            self.events.append(("abort", request_id))
+            self.running.pop(request_id, None)
+
+    def step(self) -> list[Any]:
+        self.step_no += 1
+        self.batch_sizes.append(len(self.running))
+        finished = []
+        for request_id, r in list(self.running.items()):
+            token = (len(r["prompt"]) + len(r["out"])) % self.vocab
+            r["out"].append(token)
+            params = r["params"]
+            held = params.max_new_tokens > 10 and sum(e[0] == "add" for e in self.events) < self.hold_long_until_adds
+            if held and len(r["out"]) >= params.max_new_tokens - 1:
+                r["out"].pop()
+                continue
+            if token in params.eos_ids or len(r["out"]) >= params.max_new_tokens:
+                del self.running[request_id]
+                self.events.append(("finish", request_id, self.step_no))
+                logprobs = [{t: SimpleNamespace(logprob=-0.5 - i / 100)} for i, t in enumerate(r["out"])]
+                sample = SimpleNamespace(token_ids=r["out"], logprobs=logprobs)
+                finished.append(SimpleNamespace(request_id=request_id, finished=True, outputs=[sample]))
+        return finished
+
+    def sleep(self, level: int) -> None:
+        self.events.append(("sleep", level))
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.events.append(("wake_up", tuple(tags)))
+
+    def reset_prefix_cache(self) -> None:
+        self.events.append(("reset_prefix_cache",))
+
+
+def fake_engine(vocab: int = 300, **settings: Any) -> tuple[VLLMEngine, list[FakeLLM]]:
+    started: list[FakeLLM] = []
+
+    def start(model: Any, s: VLLMSettings) -> FakeLLM:
+        started.append(FakeLLM(vocab))
+        started[-1].events.append(("start", s.max_model_len))
+        return started[-1]
+
+    engine = VLLMEngine(VLLMSettings(max_model_len=512, **settings), start=start, sampling_params=lambda r: r)
+    return engine, started
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    spec = micro_tiny(tmp_path_factory.mktemp("models"))
+    source = spec.prepare(CORPUS)
+    return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
+
+
+def test_requests_join_the_running_batch_as_they_arrive(tiny) -> None:
+    """Rollout A asks for a long reply; rollout B's two short turns start and finish while A's is still running.
+    (The fake holds A's last token until B's second turn has been added, so the order does not depend on speed.)"""
+    model, tokenizer = tiny
+    engine, started = fake_engine()
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=128, max_response_tokens=96, engine=engine)
+    server.load(model)
+    started[0].hold_long_until_adds = 3
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi"}]
+
+    async def rollout_a() -> None:
+        await server.chat_model("a", {"temperature": 1.0, "max_tokens": 60}).chat(messages)
+
+    async def rollout_b() -> None:
+        for _ in range(1000):  # A's request is in the engine first (a hang guard of 10 s)
+            if started[0].running:
+                break
+            await asyncio.sleep(0.01)
+        chat = server.chat_model("b", {"temperature": 1.0, "max_tokens": 3})
+        first = await chat.chat(messages)
+        await chat.chat([*messages, {"role": "assistant", "content": first}, {"role": "user", "content": "More?"}])
+
+    async def both() -> None:
+        await asyncio.gather(rollout_a(), rollout_b())
+
+    asyncio.run(asyncio.wait_for(both(), timeout=60))
+    events = started[0].events
+    adds = [e for e in events if e[0] == "add"]
+    finishes = {e[1]: e[2] for e in events if e[0] == "finish"}
+    a_id = adds[0][1]
+    b_turns = adds[1:]
+    assert len(adds) == 3
+    assert all(step < finishes[a_id] for _, _, step in b_turns)  # B's second turn was added while A still ran
+    assert max(started[0].batch_sizes) == 2 and engine.max_running == 2
+    # the records are token exact: B's second prompt continues its first call, log-probs as the engine gave them
+    first, second = server.pop_records("b")
+    assert second.continues and second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+    sample = flatten([first, second], max_completion_tokens=1000)
+    assert not isinstance(sample, str)
+    assert [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m] == [-0.5, -0.51, -0.52] * 2
+    engine.close()
+
+
+def test_weights_load_wake_and_sleep_in_order(tiny) -> None:
+    model, _ = tiny
+    engine, started = fake_engine()
+    engine.load(model)  # starts vLLM, sends the weights
+    engine.sleep()  # the update
+    engine.load(model)  # the next rollout phase
+    engine.sleep()
+    names = [e[0] if e[0] != "wake_up" else f"wake_up{e[1]}" for e in started[0].events]
+    assert names == [
+        "start",
+        "load_weights",
+        "reset_prefix_cache",
+        "sleep",
+        "wake_up('weights',)",
+        "load_weights",
+        "wake_up('kv_cache',)",
+        "reset_prefix_cache",
+        "sleep",
+    ]
+    assert started[0].events[3] == ("sleep", 2) and engine.weight_loads == 2
+    # asleep, the engine refuses work instead of sampling from freed weights
+    with pytest.raises(RuntimeError, match="no weights loaded"):
+        engine.generate(model, [[1, 2, 3]], [4], temperature=1.0, top_p=1.0, eos_ids={2}, pad_id=0)
+    engine.close()
+
+
+def test_no_sleep_keeps_vllm_awake(tiny) -> None:
+    model, _ = tiny
+    engine, started = fake_engine(sleep=False)
+    engine.load(model)
+    engine.sleep()
+    engine.load(model)
+    assert [e[0] for e in started[0].events].count("sleep") == 0
+    assert [e[0] for e in started[0].events].count("load_weights") == 2
+    out = engine.generate(model, [[5, 6, 7], [1] * 10], [4, 2], temperature=1.0, top_p=1.0, eos_ids=set(), pad_id=0)
+    assert [c.token_ids for c in out] == [[3, 4, 5, 6], [10, 11]]
+    assert [c.finish_reason for c in out] == ["length", "length"]
+    engine.close()
+
+
+def test_full_weights_go_under_checkpoint_names(tiny) -> None:
+    model, _ = tiny
+    sent = dict(trainer_weights(model))
+    assert sent.keys() == dict(model.named_parameters()).keys()
+    assert all(sent[k] is p.detach() or torch.equal(sent[k], p) for k, p in model.named_parameters())
+
+
+def test_lora_weights_go_merged_into_copies_and_the_trainer_weights_stay(tiny) -> None:
+    model, _ = tiny
+    peft_model = get_peft_model(
+        type(model)(model.config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    )
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    before = {k: v.clone() for k, v in peft_model.named_parameters()}
+    sent = dict(trainer_weights(peft_model))
+    base = dict(peft_model.get_base_model().named_parameters())
+    assert sent.keys() == {k.replace(".base_layer", "") for k in base if ".lora_" not in k}
+    q = "model.layers.0.self_attn.q_proj"
+    layer = peft_model.get_base_model().model.layers[0].self_attn.q_proj
+    expected = layer.base_layer.weight + layer.lora_B["default"].weight @ layer.lora_A["default"].weight * 2.0
+    assert torch.allclose(sent[f"{q}.weight"], expected, atol=1e-6)
+    assert not torch.allclose(sent[f"{q}.weight"], layer.base_layer.weight)
+    k = "model.layers.0.self_attn.k_proj.weight"  # not adapted: the weight itself
+    assert torch.equal(sent[k], base[k])
+    assert all(torch.equal(before[k], v) for k, v in peft_model.named_parameters())  # nothing modified
+
+
+def test_a_cancelled_call_is_aborted_in_the_engine(tiny) -> None:
+    model, _ = tiny
+    engine, started = fake_engine()
+    engine.load(model)
+    fake = started[0]
+    fake.step = list  # never finishes anything
+
+    async def cancel_one() -> None:
+        task = asyncio.ensure_future(engine.submit([1, 2, 3], 50, temperature=1.0, top_p=1.0, eos_ids={2}))
+        for _ in range(200):  # until the engine thread took it
+            await asyncio.sleep(0.01)
+            if fake.running:
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(cancel_one(), timeout=30))
+    engine.close()
+    assert ("abort", "0") in fake.events and not fake.running
+
+
+def test_a_failed_engine_step_fails_its_requests_and_every_later_one(tiny) -> None:
+    model, _ = tiny
+    engine, started = fake_engine()
+    engine.load(model)
+
+    def boom() -> list[Any]:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    started[0].step = boom
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.generate(model, [[1, 2]], [4], temperature=1.0, top_p=1.0, eos_ids={2}, pad_id=0)
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        engine.generate(model, [[1, 2]], [4], temperature=1.0, top_p=1.0, eos_ids={2}, pad_id=0)
+
+
+def test_vllm_errors_name_the_key_and_the_extra() -> None:
+    assert resolve_engine("auto", "cpu") == "hf"
+    assert resolve_engine("auto", "cuda") == "static"  # vLLM is not installed here
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        make_engine("vllm", "cpu")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["backend.generation_engine=vllm"])
+    with pytest.raises(ConfigError, match=r"backend\.generation_engine=vllm.*CUDA"):
+        build_components(cfg)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["backend.generation_engine=vllm", "backend.device=cuda"])
+    with pytest.raises(ConfigError, match=r"backend\.generation_engine=vllm.*pip install -e '\.\[vllm\]'"):
+        build_components(cfg)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["backend.vllm_gpu_memory_utilization=1.5"])
+    with pytest.raises(ConfigError, match=r"backend\.vllm_gpu_memory_utilization"):
+        build_components(cfg)
