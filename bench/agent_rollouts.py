@@ -207,12 +207,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rollouts = AgentRollouts(
             agent, parts["reward"], server, algo.sampling(algo.temperature), algo.max_response_length
         )
+
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:
             """Print each rollout phase as it ends (a slow engine's first phase is known before its step ends)."""
             out = rollouts(prompts, trainer)
             stats = {k: v for k, v in rollouts.last_stats.items() if k.startswith("timing_s")}
             print("rollout phase", json.dumps(stats | {"generated_tokens_so_far": server.generated}), flush=True)
             return out
+
         per_step: list[dict[str, float]] = []
 
         class PhaseLog(TrainerCallback):
