@@ -42,11 +42,12 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     # every training step says what was excluded and why, how exact the samples were, and the log-prob gap
     keys = {"rollout/excluded_rate", "rollout/discontinuous_rate", "train/sampling/logp_diff/mean"}
     keys |= {f"rollout/excluded_{r}_rate" for r in ("agent_error", "reward_error", "inexact", "overflow")}
-    keys |= {f"timing_s/{phase}" for phase in ("step", "rollout", "reward_sum", "scoring", "update")}
+    keys |= {f"timing_s/{phase}" for phase in ("step", "weight_sync", "rollout", "reward_sum", "scoring", "update")}
     assert all(keys <= m.keys() for m in metrics[1:])
     # the phases are parts of the step (validation too, where the step validated)
     for m in metrics[1:]:
-        parts = m["timing_s/rollout"] + m["timing_s/scoring"] + m["timing_s/update"] + m.get("timing_s/validation", 0)
+        parts = m["timing_s/weight_sync"] + m["timing_s/rollout"] + m["timing_s/scoring"] + m["timing_s/update"]
+        parts += m.get("timing_s/validation", 0)
         assert 0 < parts <= m["timing_s/step"] and m["timing_s/reward_sum"] > 0
     assert "timing_s/validation" in metrics[-1]
     assert all(m["rollout/discontinuous_rate"] == 0 and m["rollout/excluded_inexact_rate"] == 0 for m in metrics[1:])
