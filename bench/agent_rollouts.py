@@ -129,7 +129,10 @@ def bench_server_class() -> type:
             drawn.rollout, drawn.seed = int(rollout_id.lstrip("r")), self.seed
             return drawn
 
+        device_used_gib = 0.0  # the most seen at the end of a rollout phase (vLLM still awake)
+
         def pop_records(self, rollout_id: str) -> list[Any]:
+            self.device_used_gib = max(self.device_used_gib, device_used_gib())
             records = super().pop_records(rollout_id)
             self.generated += sum(len(r.completion_ids) for r in records)
             self.calls += len(records)
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tasks = parts["data"].train_tasks()[: args.tasks * (args.warmup + args.steps)]
         first = [agent.first_messages(t) for t in tasks]
         tokenizer = train_tokenizer([m["content"] for conv in first for m in conv], 2048, template=template)
-        prompt_tokens = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True)) for m in first]
+        prompt_tokens = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"]) for m in first]
         model = random_model(shape, args.device)
         engine = backend.engine(algo.max_prompt_length + algo.max_response_length)
         server = bench_server_class()(
@@ -283,7 +286,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_weight_sync_s": statistics.median(s["weight_sync_s"] for s in timed),
             "prompt_tokens_mean": statistics.mean(prompt_tokens),
             "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-            "peak_device_used_gib": max(s["device_used_gib"] for s in per_step),
+            # GPU memory in use (the device's count, vLLM's own pool included) at the end of the rollout phases and
+            # after the updates; torch's peak counter is not reliable next to vLLM's sleep-mode allocator
+            "peak_device_used_gib": max([server.device_used_gib] + [s["device_used_gib"] for s in per_step]),
             "wall_s": wall,
             "engine_stats": {k: getattr(engine, k) for k in ENGINE_STATS if hasattr(engine, k)},
         }

@@ -4,6 +4,8 @@
   (`skip_tokenizer_init`); the sampled token's log-prob comes after the temperature (`logprobs_mode=
   "processed_logprobs"`, the engine contract of `inference/engine.py`); the checkpoint's generation_config is ignored
   (`generation_config="vllm"`), so the request's temperature and top_p are what sample; eos ids are the request's.
+  With top_p < 1 vLLM's processed log-probs are renormalized over the nucleus (the static and HF engines report the
+  full distribution's): training samples with top_p = 1, where both agree.
 - Continuous batching: `submit` hands one request to the engine thread the moment an agent sends it; the thread adds
   it to vLLM's running batch before the next `step()` (a decode step for the running requests, prefill chunks for the
   new ones) and returns each finished request to its waiting coroutine. No request waits for another turn to end.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 import os
@@ -111,10 +114,12 @@ def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
     adapters = [a for a in getattr(layer, "active_adapters", []) if a in layer.lora_A]
     if layer.merged or layer.disable_adapters or not adapters:
         return weight.detach()
-    out = weight.detach().clone()
+    if any(layer.use_dora.get(a, False) for a in adapters):
+        raise ValueError("DoRA adapters cannot be sent to vLLM as merged weights (use LoRA, or generation_engine=hf)")
+    out = weight.detach().to(torch.float32, copy=True)  # a copy even when the weight is float32
     for adapter in adapters:
-        out += layer.get_delta_weight(adapter).to(out.dtype)
-    return out
+        out += layer.get_delta_weight(adapter).float()
+    return out.to(weight.dtype)  # rounded once
 
 
 def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
@@ -134,9 +139,12 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = next(base.parameters()).dtype
     config_dir = tempfile.mkdtemp(prefix="vllm-config-")
-    base.config.save_pretrained(config_dir)
+    config = copy.deepcopy(base.config)
+    config.architectures = [type(base).__name__]  # a model built from a config has none; vLLM picks its class by it
+    config.save_pretrained(config_dir)
     return LLM(
         model=config_dir,
+        runner="generate",
         skip_tokenizer_init=True,
         load_format="dummy",
         dtype=dtype,
@@ -220,7 +228,8 @@ class VLLMEngine:
         future: asyncio.Future[Completion] = loop.create_future()
 
         def done(result: Completion | BaseException) -> None:
-            loop.call_soon_threadsafe(_settle, future, result)
+            with contextlib.suppress(RuntimeError):  # the caller's event loop has closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, future, result)
 
         request = _Request(list(prompt_ids), max_new_tokens, temperature, top_p, set(eos_ids), done)
         request_id = str(next(self._ids))
@@ -228,7 +237,8 @@ class VLLMEngine:
         try:
             return await future
         except asyncio.CancelledError:  # the agent gave up on this call: stop generating for it
-            self._send(lambda: self._abort(request_id))
+            with contextlib.suppress(RuntimeError):  # a broken engine runs nothing to abort
+                self._send(lambda: self._abort(request_id))
             raise
 
     def generate(
@@ -253,11 +263,14 @@ class VLLMEngine:
         return [f.result() for f in futures]
 
     def close(self) -> None:
-        """Stop the engine thread (vLLM is freed with the process)."""
+        """Stop the engine thread once the requests in flight are answered (vLLM is freed with the process)."""
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout=60)
             self._thread = None
+        for request in self._pending.values():
+            request.done(RuntimeError("the vLLM engine was closed"))
+        self._pending.clear()
 
     # ---- the engine thread --------------------------------------------------------------------------------------
     def _send(self, command: Callable[[], None]) -> None:
@@ -274,6 +287,8 @@ class VLLMEngine:
 
         def command() -> None:
             try:
+                if self._broken is not None:
+                    raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
                 if self._pending:
                     raise RuntimeError(f"{len(self._pending)} requests are still running")
                 fn()
@@ -289,14 +304,34 @@ class VLLMEngine:
             try:  # take every command that arrived before stepping; block only when nothing runs
                 command = self._inbox.get_nowait() if self._pending else self._inbox.get()
             except queue.Empty:
-                self._step()
-                continue
+                command = self._step
             if command is None:
                 return
-            command()
+            try:
+                command()
+            except BaseException as exc:  # vLLM is in an unknown state: fail what runs and what comes
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        """Mark the engine broken, fail every running request and every command still queued."""
+        self._broken = exc
+        pending, self._pending = list(self._pending.values()), {}
+        for request in pending:
+            request.done(exc)
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                with contextlib.suppress(BaseException):
+                    command()  # an _add answers its request with the error; a _call its waiter
 
     def _add(self, request_id: str, request: _Request) -> None:
         try:
+            if self._broken is not None:
+                raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
             if self._llm is None or self._asleep:
                 raise RuntimeError("the vLLM engine has no weights loaded: call load(model) first")
             prompt = {"prompt_token_ids": request.prompt_ids}  # vLLM's TokensPrompt
@@ -312,18 +347,11 @@ class VLLMEngine:
             self._llm.llm_engine.abort_request([request_id], internal=False)
 
     def _step(self) -> None:
-        try:
-            outputs = self._llm.llm_engine.step()
-        except BaseException as exc:  # a failed step leaves vLLM in an unknown state: fail everything from now on
-            self._broken = exc
-            for request in self._pending.values():
-                request.done(exc)
-            self._pending.clear()
-            return
+        outputs = self._llm.llm_engine.step()  # raising here fails the engine (_run)
         self.steps += 1
         for output in outputs:
-            request = self._pending.pop(output.request_id, None)
-            if request is not None and output.finished:
+            if output.finished and output.request_id in self._pending:
+                request = self._pending.pop(output.request_id)
                 request.done(_completion(output, request))
 
     def _load(self, model: PreTrainedModel) -> None:

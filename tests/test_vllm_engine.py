@@ -7,6 +7,7 @@ the config's errors name the key and the extra. vLLM's own behaviour is checked 
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -214,6 +215,7 @@ def test_lora_weights_go_merged_into_copies_and_the_trainer_weights_stay(tiny) -
     layer = peft_model.get_base_model().model.layers[0].self_attn.q_proj
     expected = layer.base_layer.weight + layer.lora_B["default"].weight @ layer.lora_A["default"].weight * 2.0
     assert torch.allclose(sent[f"{q}.weight"], expected, atol=1e-6)
+    assert sent[f"{q}.weight"].dtype == layer.base_layer.weight.dtype
     assert not torch.allclose(sent[f"{q}.weight"], layer.base_layer.weight)
     k = "model.layers.0.self_attn.k_proj.weight"  # not adapted: the weight itself
     assert torch.equal(sent[k], base[k])
@@ -242,6 +244,38 @@ def test_a_cancelled_call_is_aborted_in_the_engine(tiny) -> None:
     assert ("abort", "0") in fake.events and not fake.running
 
 
+def test_a_reply_that_comes_after_its_caller_left_does_not_stop_the_engine(tiny) -> None:
+    """A call cancelled while vLLM runs the step that finishes it: the reply finds the caller's event loop closed.
+    The engine must drop it and keep serving (it used to die there, and every later call hung)."""
+    model, _ = tiny
+    engine, started = fake_engine()
+    engine.load(model)
+    fake, stepping, release = started[0], threading.Event(), threading.Event()
+    real_step = fake.step
+
+    def held_step() -> list[Any]:
+        stepping.set()
+        assert release.wait(timeout=60), "the test never released the step"
+        return real_step()
+
+    fake.step = held_step
+
+    async def leave() -> None:
+        task = asyncio.ensure_future(engine.submit([1, 2, 3], 1, temperature=1.0, top_p=1.0, eos_ids=set()))
+        while not stepping.is_set():  # bounded by the wait_for below
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(leave(), timeout=30))  # the loop is closed from here on
+    release.set()
+    fake.step = real_step
+    engine.sleep()  # answered by the engine thread: it is alive
+    engine.load(model)
+    out = engine.generate(model, [[1, 2, 3]], [2], temperature=1.0, top_p=1.0, eos_ids=set(), pad_id=0)
+    assert out[0].token_ids == [3, 4]
+    engine.close()
+
+
 def test_a_failed_engine_step_fails_its_requests_and_every_later_one(tiny) -> None:
     model, _ = tiny
     engine, started = fake_engine()
@@ -255,6 +289,8 @@ def test_a_failed_engine_step_fails_its_requests_and_every_later_one(tiny) -> No
         engine.generate(model, [[1, 2]], [4], temperature=1.0, top_p=1.0, eos_ids={2}, pad_id=0)
     with pytest.raises(RuntimeError, match="failed earlier"):
         engine.generate(model, [[1, 2]], [4], temperature=1.0, top_p=1.0, eos_ids={2}, pad_id=0)
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        engine.load(model)
 
 
 def test_vllm_errors_name_the_key_and_the_extra() -> None:
