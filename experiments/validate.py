@@ -15,14 +15,14 @@ from foundation.run_dir import RunDir
 def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:
     """Our groups validated and built, then verl's full trainer config generated from them and validated."""
     from backends.verl.config import build_verl_config
-    from backends.verl.settings import VerlBackend
+    from backends.verl.settings import VerlSettings
 
     if cfg.backend.name != "verl":
         raise ConfigError(f"backend={cfg.backend.name}: job=validate checks backend=verl runs (add backend=verl)")
     if cfg.warmstart:
         raise ConfigError(f"warmstart={cfg.warmstart.name}: backend=verl has no warm start (add warmstart=none)")
     parts = build_components(cfg)
-    backend: VerlBackend = parts["backend"]
+    backend: VerlSettings = parts["backend"]
     return build_verl_config(parts["model"], parts["finetune"], parts["algorithm"], backend, run_path, cfg.seed)
 
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from backends.algorithm import GRPO
-from backends.verl.settings import NEEDS_VENV, VerlBackend
+from backends.verl.settings import NEEDS_VENV, VerlSettings
 from foundation.errors import ConfigError
 from models.finetune import Full, LoRA
 from models.hub import HubModel
@@ -81,7 +81,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def verl_overrides(
-    model: HubModel, finetune: Full | LoRA, algo: GRPO, backend: VerlBackend, run_path: Path, seed: int
+    model: HubModel, finetune: Full | LoRA, algo: GRPO, backend: VerlSettings, run_path: Path, seed: int
 ) -> dict[str, Any]:
     """Our groups as verl keys. Each value comes from one place in our config; nothing here is a second copy."""
     if not (model.path or model.hub_id):
@@ -163,7 +163,7 @@ def verl_overrides(
     }
 
 
-def check_shape(finetune: Full | LoRA, algo: GRPO, backend: VerlBackend) -> None:
+def check_shape(finetune: Full | LoRA, algo: GRPO, backend: VerlSettings) -> None:
     """What verl or vLLM would reject only on the GPUs, or not at all."""
     if isinstance(finetune, LoRA) and finetune.rank not in VLLM_LORA_RANKS:
         ranks = ", ".join(map(str, VLLM_LORA_RANKS))
@@ -188,7 +188,7 @@ def check_shape(finetune: Full | LoRA, algo: GRPO, backend: VerlBackend) -> None
 
 
 def build_verl_config(
-    model: HubModel, finetune: Full | LoRA, algo: GRPO, backend: VerlBackend, run_path: Path, seed: int
+    model: HubModel, finetune: Full | LoRA, algo: GRPO, backend: VerlSettings, run_path: Path, seed: int
 ) -> DictConfig:
     """The whole verl config for this run, validated by us and by verl; raises ConfigError naming the key."""
     check_shape(finetune, algo, backend)

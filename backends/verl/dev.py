@@ -19,10 +19,10 @@ from agent.llm import Endpoint
 from backends.setup import TrainSetup
 from backends.verl import agl as wiring
 from backends.verl.agl import LLM_RESOURCE, agl
-from backends.verl.settings import DevBackend
+from backends.verl.settings import DevSettings
 
 
-def run_dev(backend: DevBackend, setup: TrainSetup) -> dict[str, Any]:
+def run_dev(backend: DevSettings, setup: TrainSetup) -> dict[str, Any]:
     if setup.warmstart is not None:
         raise ValueError(f"warmstart={setup.warmstart.name}: backend=dev has no warm start (add warmstart=none)")
     endpoint = Endpoint(base_url=backend.base_url, model=backend.model, api_key_env=backend.api_key_env)

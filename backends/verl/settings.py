@@ -1,18 +1,16 @@
 """What `conf/backend/verl.yaml` and `conf/backend/dev.yaml` hold: agent-lightning's wiring and verl's cluster shape.
 
-Importable without agent-lightning or verl (config validation and `job=doctor` run in either venv).
+Importable without agent-lightning or verl (config validation and `job=doctor` run in either venv). The run code
+(`train.py`, `dev.py`) reads these settings; the classes the config groups build (`backend.py`) add the entry point.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlparse
 
 from foundation.schema import number, one_of
-
-if TYPE_CHECKING:
-    from backends.setup import TrainSetup
 
 TRACING_MODES = ("llm_proxy", "agentops")
 TRACE_AGGREGATIONS = ("transition", "trajectory")  # each LLM call a sample, or a rollout's calls merged into one
@@ -52,7 +50,7 @@ class AglWiring:
 
 
 @dataclass
-class VerlBackend(AglWiring):
+class VerlSettings(AglWiring):
     """agent-lightning's `Trainer(algorithm=agl.VERL(...))`: verl GRPO with vLLM rollouts on `resources` GPUs."""
 
     name: str = "verl"
@@ -69,14 +67,9 @@ class VerlBackend(AglWiring):
     overrides: dict[str, Any] = field(default_factory=dict)  # verl keys our groups do not set
     fit: bool = True  # false: build the verl config, agl.VERL and the Trainer, then stop before fit (works on CPU)
 
-    def train(self, setup: TrainSetup) -> dict[str, Any]:
-        from backends.verl.train import train_verl
-
-        return train_verl(self, setup)
-
 
 @dataclass
-class DevBackend(AglWiring):
+class DevSettings(AglWiring):
     """agent-lightning's `Trainer.dev` with its Baseline algorithm: rollouts against any OpenAI-compatible endpoint
     (`conf/endpoint`), traced into triplets and written to `<run>/dev/`; no weights change."""
 
@@ -86,8 +79,3 @@ class DevBackend(AglWiring):
     api_key_env: str = "OPENAI_API_KEY"  # ${endpoint.api_key_env}
     n_tasks: int = number(4, gt=0)  # the first N training tasks
     poll_interval_s: float = number(0.5, gt=0)  # how often runners and the algorithm poll the store
-
-    def train(self, setup: TrainSetup) -> dict[str, Any]:
-        from backends.verl.dev import run_dev
-
-        return run_dev(self, setup)

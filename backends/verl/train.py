@@ -22,13 +22,13 @@ from backends.setup import TrainSetup
 from backends.verl import agl as wiring
 from backends.verl.agl import agl
 from backends.verl.config import build_verl_config, own_hydra
-from backends.verl.settings import VerlBackend
+from backends.verl.settings import VerlSettings
 from foundation.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def train_verl(backend: VerlBackend, setup: TrainSetup) -> dict[str, Any]:
+def train_verl(backend: VerlSettings, setup: TrainSetup) -> dict[str, Any]:
     if setup.warmstart is not None:
         raise ConfigError(f"warmstart={setup.warmstart.name}: backend=verl has no warm start (add warmstart=none)")
     run = setup.run
