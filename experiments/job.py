@@ -141,6 +141,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     summary["tracking_errors"] = run.tracking_errors
     run.write_summary(summary)
     finish_tracker(tracker, summary, run)
-    print(f"run directory: {run.path}", flush=True)
-    print(json.dumps(summary, indent=2, default=str), flush=True)
+    describe = getattr(sys.modules[job.__module__], "describe", None)  # a job's own words for its results
+    if describe is not None:
+        print(describe(summary), flush=True)
+    else:
+        print(f"run directory: {run.path}", flush=True)
+        print(json.dumps(summary, indent=2, default=str), flush=True)
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from omegaconf import DictConfig
@@ -36,3 +37,67 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
         "val_accuracy_before": validations[0]["val/accuracy"] if validations else None,
         "val_accuracy_after": validations[-1]["val/accuracy"] if len(validations) > 1 else None,
     }
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float | None], width: int = 60) -> str:
+    """One character per step (averaged into `width` buckets when longer); a step with no reward is a space."""
+    if len(values) > width:
+        size = len(values) / width
+        buckets = [values[int(i * size) : int((i + 1) * size)] for i in range(width)]
+        values = [None if not (b := [v for v in bucket if v is not None]) else sum(b) / len(b) for bucket in buckets]
+    known = [v for v in values if v is not None]
+    if not known:
+        return " " * len(values)
+    low, high = min(known), max(known)
+    span = (high - low) or 1.0
+    return "".join(" " if v is None else SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in values)
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson interval of an accuracy p measured on n questions."""
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """What a person reads at the end of a training run (summary.json keeps everything)."""
+    run = summary["run_dir"]
+    lines = [f"run directory: {run}", ""]
+    before = summary.get("val_after_sft") or summary.get("val_initial")
+    after = summary.get("val_final")
+    first = "after SFT" if "val_after_sft" in summary else "before GRPO"
+    rows = [(first, before), ("after GRPO", after)]
+    for label, val in rows:
+        if val:
+            low, high = wilson(val["accuracy"], val["n"])
+            lines.append(f"  val accuracy {label:<12} {val['accuracy']:.2f}  [{low:.2f}, {high:.2f}]  (n={val['n']})")
+    if before and after:
+        diff = after["accuracy"] - before["accuracy"]
+        se = math.sqrt(sum(v["accuracy"] * (1 - v["accuracy"]) / v["n"] for v in (before, after)))
+        low, high = diff - 1.96 * se, diff + 1.96 * se
+        verdict = "beyond noise" if low > 0 or high < 0 else "inside noise: this run alone shows no effect of GRPO"
+        lines.append(f"  difference                {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
+    rewards = summary.get("reward_per_step") or []
+    known = [r for r in rewards if r is not None]
+    if known:
+        lines += [
+            "",
+            f"  reward per step ({len(rewards)} steps, {known[0]:.2f} -> {known[-1]:.2f}, max {max(known):.2f}):",
+            f"  {sparkline(rewards)}",
+        ]
+    sft, grpo = summary.get("sft", {}), summary.get("grpo", {})
+    phases = [f"SFT {sft['wall_s']:.0f} s" if sft else "", f"GRPO {grpo['wall_s']:.0f} s" if grpo else ""]
+    lines += [
+        "",
+        f"  time: {', '.join(p for p in phases if p) or '-'}; whole run {summary['wall_s'] / 60:.1f} min",
+        "",
+        f"open: {run}/summary.json (everything),",
+        "      metrics.jsonl (one line per step), samples/ (validation trajectories)",
+        "one run says little (the interval above): compare seeds, e.g. python launch.py -m seed=0,1,2 then",
+        "      python -m analysis.report outputs/sweeps/<time>",
+    ]
+    return "\n".join(lines)

@@ -33,6 +33,11 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and len(summary["reward_per_step"]) == 3
     assert {"val_after_sft", "val_final", "sft", "grpo"} <= summary.keys()
+    # the run ends with what a person reads, not the JSON (which stays in the run directory), and bars on stderr
+    assert "val accuracy after SFT" in result.stdout and "val accuracy after GRPO" in result.stdout
+    assert "reward per step (3 steps" in result.stdout and "noise" in result.stdout
+    assert '"reward_per_step"' not in result.stdout
+    assert "warm start (SFT)" in result.stderr and "GRPO" in result.stderr
 
     metrics = metrics_of(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]

@@ -22,6 +22,7 @@ from trl import GRPOConfig
 
 from backends.algorithm import GRPO
 from backends.setup import TrainSetup
+from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts
 from backends.trl.trainer import AgentGRPOTrainer
@@ -160,6 +161,7 @@ class TRLBackend:
             is_cap=algo.is_cap,
         )
         step_log.phase_s = trainer.phase_s
+        show_progress(trainer, "GRPO")
         start = time.monotonic()
         run.phase = "GRPO"
         with checkpoint_at_step_end():

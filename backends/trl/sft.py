@@ -23,6 +23,7 @@ from trl import SFTConfig, SFTTrainer
 
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
+from backends.trl.progress import show_progress
 from foundation.schema import number
 from models.chat import for_template
 
@@ -122,6 +123,7 @@ class SFTWarmstart:
             processing_class=tokenizer,
             callbacks=[_JsonlLog(log_file)],
         )
+        show_progress(trainer, "warm start (SFT)")
         trainer.train()
         trainer.save_model(str(output_dir))
         tokenizer.save_pretrained(str(output_dir))

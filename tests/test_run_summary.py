@@ -1,0 +1,44 @@
+"""The end of a training run as a person reads it (experiments/train.py `describe`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.train import describe, sparkline, wilson
+
+
+def summary(before: float, after: float, rewards: list[float | None]) -> dict:
+    val = {"n": 100, "errors": 0, "missing": 0}
+    return {
+        "run_dir": "/runs/r",
+        "wall_s": 400.0,
+        "val_after_sft": val | {"accuracy": before},
+        "val_final": val | {"accuracy": after},
+        "sft": {"wall_s": 281.0},
+        "grpo": {"wall_s": 58.0},
+        "reward_per_step": rewards,
+    }
+
+
+def test_wilson_interval() -> None:
+    low, high = wilson(0.41, 100)
+    assert low == pytest.approx(0.3187, abs=1e-4) and high == pytest.approx(0.5080, abs=1e-4)  # 41/100
+    assert wilson(0.0, 100)[0] == 0.0 and wilson(1.0, 100)[1] == pytest.approx(1.0)
+
+
+def test_sparkline_scales_and_buckets() -> None:
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([0.2, None, 0.2]) == "▁ ▁"
+    assert len(sparkline([float(i) for i in range(600)], width=60)) == 60
+
+
+def test_a_small_difference_on_100_questions_is_inside_noise() -> None:
+    text = describe(summary(0.41, 0.45, [0.1, 0.2, None, 0.3]))
+    assert "val accuracy after SFT    0.41  [0.32, 0.51]  (n=100)" in text
+    assert "+0.04" in text and "inside noise" in text
+    assert "reward per step (4 steps, 0.10 -> 0.30, max 0.30)" in text
+    assert "SFT 281 s, GRPO 58 s" in text and "/runs/r/summary.json" in text
+
+
+def test_a_large_difference_is_beyond_noise() -> None:
+    assert "beyond noise" in describe(summary(0.30, 0.60, [0.1]))
