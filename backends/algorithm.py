@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from foundation.errors import ConfigError
 from foundation.schema import number, one_of
 
 # How the sampler's log-probs correct the update for the engine/trainer mismatch (truncated importance sampling):
@@ -65,3 +67,15 @@ class GRPO:
     @property
     def gradient_accumulation_steps(self) -> int:
         return self.batch_size // self.micro_batch_size
+
+    def per_rank(self, ranks: int) -> tuple[int, int]:
+        """Micro-batch and accumulation steps of each of `ranks` processes sharing the step's batch: micro-batches
+        of at most `micro_batch_size` sequences of the rank's share."""
+        if self.batch_size % ranks:
+            raise ConfigError(
+                f"algorithm.tasks_per_step x group_size = {self.batch_size} sequences cannot be shared by {ranks} "
+                "processes (resources.gpus_per_node)"
+            )
+        share = self.batch_size // ranks
+        micro = math.gcd(share, self.micro_batch_size)
+        return micro, share // micro

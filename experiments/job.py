@@ -26,8 +26,10 @@ from hydra.utils import get_method
 from omegaconf import DictConfig
 
 from experiments.config import build_group, check_job, check_run
+from experiments.ranks import write_rank_results
 from experiments.sweep import completed_run
 from foundation.interrupt import stop_signals
+from foundation.ranks import is_main, started_by_launcher
 from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
@@ -93,6 +95,12 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     hydra = HydraConfig.get()  # one output directory per run, also in a sweep
     run = RunDir(hydra.runtime.output_dir)
     job: Job = get_method(cfg.job._target_)
+    if started_by_launcher():  # one rank of a run of several processes: the process that started it writes the rest
+        with stop_signals():
+            results = job(cfg, run)
+        if is_main():
+            write_rank_results(run, results)
+        return results
     overrides = list(hydra.overrides.task)
     if hydra.mode == RunMode.MULTIRUN and (previous := completed_run(run.path, overrides)) is not None:
         print(f"run directory: {run.path}\nstatus: completed before with the same overrides, not run again", flush=True)

@@ -9,11 +9,16 @@ from omegaconf import DictConfig
 
 from backends.setup import TrainSetup
 from experiments.config import build_components
+from experiments.ranks import launch_ranks, processes
+from foundation.ranks import started_by_launcher
 from foundation.run_dir import RunDir
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
-    parts = build_components(cfg)
+    parts = build_components(cfg)  # validated here, also before a run of several processes starts them
+    if processes(cfg) > 1 and not started_by_launcher():
+        parts["algorithm"].per_rank(processes(cfg))  # the ranks can share the step's batch
+        return summarize(launch_ranks(cfg, run_dir), run_dir)
     setup = TrainSetup(
         model=parts["model"],
         finetune=parts["finetune"],
@@ -25,7 +30,11 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
         seed=cfg.seed,
         run=run_dir,
     )
-    results = parts["backend"].train(setup)
+    return summarize(parts["backend"].train(setup), run_dir)
+
+
+def summarize(results: dict[str, Any], run_dir: RunDir) -> dict[str, Any]:
+    """The backend's results and what metrics.jsonl says: steps, reward per step, validation before and after."""
     steps = [m for m in run_dir.metrics() if "train/reward_mean" in m]
     validations = [m for m in run_dir.metrics() if "val/accuracy" in m]
     return results | {

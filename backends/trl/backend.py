@@ -9,6 +9,7 @@ current step, writes a checkpoint there and stops (`foundation.interrupt`).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig
@@ -28,6 +31,7 @@ from backends.trl.sft import SFTWarmstart, demonstration_texts
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
+from foundation.ranks import is_main, local_rank, world_size
 from foundation.run_dir import last_complete_checkpoint
 from foundation.schema import number, one_of
 from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm
@@ -81,30 +85,38 @@ class TRLBackend:
         return self._engine
 
     def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        if device == "cuda" and world_size() > 1:  # one GPU per rank
+            device = f"cuda:{local_rank()}"
+        return device
 
     def train(self, setup: TrainSetup) -> dict[str, Any]:
         run, algo = setup.run, setup.algorithm
         device = self.resolved_device()
+        # Several ranks (experiments/ranks.py): PyTorch's process group first; rank 0 writes the shared cache (data,
+        # the built model) before the others read it; it alone writes the run directory and validates.
+        ranks = PartialState() if world_size() > 1 else None
+        first = ranks.main_process_first() if ranks is not None else contextlib.nullcontext()
         random.seed(setup.seed)
         torch.manual_seed(setup.seed)
-        train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
+        with first:
+            train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
+            warm = isinstance(setup.warmstart, SFTWarmstart)
+            demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed) if warm else []
+            corpus = [text for demo in demos for text in demonstration_texts(demo)]
+            corpus = (corpus or [t["query"] for t in train_tasks]) + [t["question"] for t in val_tasks]
+            source = setup.model.prepare(corpus)
         metric = setup.data.metric()
         resume_from = last_complete_checkpoint(run.checkpoints)
         sft_dir = run.checkpoints / "sft"
-        warm = isinstance(setup.warmstart, SFTWarmstart)
-        demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed) if warm else []
-
-        corpus = [text for demo in demos for text in demonstration_texts(demo)] or [t["query"] for t in train_tasks]
-        corpus += [t["question"] for t in val_tasks]
-        source = setup.model.prepare(corpus)
         tokenizer = setup.model.load_tokenizer(source)
         results: dict[str, Any] = {"device": device, "train_tasks": len(train_tasks), "val_tasks": len(val_tasks)}
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
-            """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples."""
+            """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples (rank 0 only: the
+            other ranks go on to the next step and wait for it there)."""
+            if not is_main():
+                return {}
             phase, run.phase = run.phase, f"validation ({name})"
             server = self._server(model, tokenizer, setup)
             summary, rollouts = validate_policy(
@@ -119,7 +131,8 @@ class TRLBackend:
         sft_done = warm and (sft_dir / "config.json").is_file()
         model = setup.model.load_model(str(sft_dir) if sft_done else source, device)
         if resume_from is None:
-            run.metrics_file.unlink(missing_ok=True)
+            if is_main():
+                run.metrics_file.unlink(missing_ok=True)
             if warm and not sft_done:  # a model that needs a warm start scores 0 before it: not worth validating
                 run.phase = "warm start (SFT)"
                 start = time.monotonic()
@@ -134,9 +147,11 @@ class TRLBackend:
                     max_length=algo.max_prompt_length + algo.max_response_length,
                 )
                 results["sft"] = {"demonstrations": len(demos), "wall_s": time.monotonic() - start}
-            run.log(0, validation(model, "after_sft" if warm else "initial"))
+            if is_main():
+                run.log(0, validation(model, "after_sft" if warm else "initial"))
         else:
-            run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
+            if is_main():
+                run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
             results["resumed_from"] = Path(resume_from).name
 
         server = self._server(model, tokenizer, setup)
@@ -171,8 +186,14 @@ class TRLBackend:
             raise Interrupted(f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}")
         run.phase = "saving the final model"
         results["grpo"] = {"steps": trainer.state.global_step, "wall_s": time.monotonic() - start}
-        trainer.save_model(str(run.checkpoints / "final"))
-        tokenizer.save_pretrained(str(run.checkpoints / "final"))
+        results["world_size"] = world_size()
+        # every rank ran its share of the rollouts (a collective: every rank gets the list)
+        results["rollouts_per_rank"] = (
+            gather_object([rollout_func.rollouts_run]) if ranks else [rollout_func.rollouts_run]
+        )
+        trainer.save_model(str(run.checkpoints / "final"))  # rank 0 writes
+        if is_main():
+            tokenizer.save_pretrained(str(run.checkpoints / "final"))
         return results
 
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:
@@ -188,14 +209,16 @@ class TRLBackend:
         )
 
     def grpo_config(self, algo: GRPO, output_dir: str, seed: int, device: str) -> GRPOConfig:
-        """TRL's settings for `algo` (also what bench/rollout_speed.py runs)."""
+        """TRL's settings for `algo` (also what bench/rollout_speed.py runs). With several ranks the step's batch is
+        shared: each rank trains micro-batches of at most `algo.micro_batch_size` of its share."""
+        micro, accumulation = algo.per_rank(world_size())
         return GRPOConfig(
             output_dir=output_dir,
             seed=seed,
             learning_rate=algo.learning_rate,
             num_generations=algo.group_size,
-            per_device_train_batch_size=algo.micro_batch_size,
-            gradient_accumulation_steps=algo.gradient_accumulation_steps,
+            per_device_train_batch_size=micro,
+            gradient_accumulation_steps=accumulation,
             generation_batch_size=algo.batch_size,
             max_completion_length=algo.max_response_length,
             temperature=algo.temperature,
@@ -256,12 +279,18 @@ class _StepLog(TrainerCallback):
         self.validate = validate
         self.val_metrics: dict[str, float] = {}
         self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
+        self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)
         self._step_start = time.perf_counter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        if world_size() > 1:  # every rank's rollout stats, averaged (a collective: every rank is here)
+            shares = gather_object([self.rollouts.last_stats])
+            self.stats = {k: sum(s[k] for s in shares) / len(shares) for k in shares[0]}
+        else:
+            self.stats = self.rollouts.last_stats
         step = state.global_step
         if step % self.setup.algorithm.val_every == 0 or step == state.max_steps:
             start = time.perf_counter()
@@ -269,8 +298,7 @@ class _StepLog(TrainerCallback):
             self.val_metrics["timing_s/validation"] = time.perf_counter() - start
 
     def _timings(self) -> dict[str, float]:
-        rollout = self.rollouts.last_stats.get("timing_s/rollout", 0.0)
-        rollout += self.rollouts.last_stats.get("timing_s/weight_sync", 0.0)
+        rollout = self.stats.get("timing_s/rollout", 0.0) + self.stats.get("timing_s/weight_sync", 0.0)
         timings = {
             "timing_s/step": time.perf_counter() - self._step_start,
             "timing_s/scoring": max(0.0, self.phase_s.get("generation", 0.0) - rollout),
@@ -280,12 +308,12 @@ class _StepLog(TrainerCallback):
         return timings
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-        if not logs or "reward" not in logs:
+        if not logs or "reward" not in logs or not is_main():
             return
         metrics = {
             ("train/reward_mean" if k == "reward" else f"train/{k}"): v
             for k, v in logs.items()
             if k not in _NOT_STEP_METRICS
         }
-        self.setup.run.log(state.global_step, metrics | self.rollouts.last_stats | self._timings() | self.val_metrics)
+        self.setup.run.log(state.global_step, metrics | self.stats | self._timings() | self.val_metrics)
         self.val_metrics = {}

@@ -107,6 +107,7 @@ class AgentRollouts:
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
         self.last_samples: list[Sample] = []
+        self.rollouts_run = 0  # over the run, on this rank
         self._counter = 0
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -128,6 +129,7 @@ class AgentRollouts:
                     "rollout on task %s excluded (%s): %s", rollout.task.get("id"), sample.excluded, rollout.error
                 )
         self.last_rollouts, self.last_samples = rollouts, samples
+        self.rollouts_run += n
         trained = [s for s in samples if s.excluded is None]
         self.last_stats = {
             "rollout/turns_mean": sum(r.trajectory.turns for r in rollouts) / n,

@@ -135,6 +135,6 @@ class _JsonlLog(TrainerCallback):
         self.path = path
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        if logs and "loss" in logs:
+        if logs and "loss" in logs and state.is_world_process_zero:
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": state.global_step, **{f"sft/{k}": v for k, v in logs.items()}}) + "\n")

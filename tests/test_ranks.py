@@ -1,0 +1,40 @@
+"""A run on 2 processes (`resources.gpus_per_node=2`): launch.py starts both ranks itself (torchrun; gloo on CPU),
+each runs its share of the rollouts on its own policy server, rank 0 writes the one run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import launch
+
+
+@pytest.mark.integration
+def test_two_processes_train_one_run(cache_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["experiment=smoke", "agent.check_step=true", "resources.gpus_per_node=2", f"hydra.run.dir={run_dir}"]
+    result = launch(args, cache_dir, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 2
+    # both ranks ran rollouts: 2 tasks x 2 rollouts a step, shared, over 2 steps
+    assert summary["rollouts_per_rank"] == [4, 4]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # one line per step: rank 0 alone writes
+    assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # the check step ran on both ranks
+    assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
+    assert len(list(tmp_path.glob("runs/*"))) == 0  # no second run directory
+    logs = sorted(p.parent.name for p in (run_dir / "ranks").rglob("stdout.log"))
+    assert logs == ["0", "1"]  # each rank's output kept
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # the ranks are not attempts
+
+
+@pytest.mark.integration
+def test_ranks_that_cannot_share_the_batch_fail_before_starting(cache_dir: Path, tmp_path: Path) -> None:
+    args = ["experiment=smoke", "resources.gpus_per_node=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = launch(args, cache_dir, tmp_path)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert result.returncode != 0 and summary["status"] == "failed"
+    assert "cannot be shared by 3 processes (resources.gpus_per_node)" in summary["error"]
