@@ -141,6 +141,9 @@ class TinyModel(HubModel):
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if not (staging / "config.json").is_file():  # never publish a build without its model
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RuntimeError(f"building the tiny model in {staging} wrote no config.json")
         try:
             staging.rename(target)
         except OSError:  # built concurrently by another run: keep theirs

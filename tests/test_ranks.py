@@ -26,8 +26,10 @@ def test_two_processes_train_one_run(cache_dir: Path, tmp_path: Path) -> None:
     assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # the check step ran on both ranks
     assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
     assert len(list(tmp_path.glob("runs/*"))) == 0  # no second run directory
-    logs = sorted(p.parent.name for p in (run_dir / "ranks").rglob("stdout.log"))
-    assert logs == ["0", "1"]  # each rank's output kept
+    logs = {p.parent.name: p.read_text() for p in (run_dir / "ranks").rglob("stderr.log")}
+    assert sorted(logs) == ["0", "1"]  # each rank's output kept
+    # rank 0 alone writes models: the shared cache's tiny model first (rank 1 waits, then reads it), checkpoints later
+    assert "Writing model shards" in logs["0"] and "Writing model shards" not in logs["1"]
     assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # the ranks are not attempts
 
 

@@ -95,7 +95,7 @@ class TRLBackend:
         device = self.resolved_device()
         # Several ranks (experiments/ranks.py): PyTorch's process group first; rank 0 writes the shared cache (data,
         # the built model) before the others read it; it alone writes the run directory and validates.
-        ranks = PartialState() if world_size() > 1 else None
+        ranks = PartialState(cpu=not device.startswith("cuda")) if world_size() > 1 else None  # gloo on CPU
         first = ranks.main_process_first() if ranks is not None else contextlib.nullcontext()
         random.seed(setup.seed)
         torch.manual_seed(setup.seed)
