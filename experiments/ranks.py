@@ -36,9 +36,6 @@ def processes(cfg: DictConfig) -> int:
 
 def launch_ranks(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     """Start the run's processes with torchrun in this run directory; wait; return rank 0's results."""
-    if cfg.backend.name != "trl":
-        raise ConfigError(f"resources.gpus_per_node={cfg.resources.gpus_per_node}: backend={cfg.backend.name} "
-                          "places its own workers (verl on Ray); this launcher starts backend=trl's")  # fmt: skip
     if int(cfg.resources.nodes) > 1:
         raise ConfigError(f"resources.nodes={cfg.resources.nodes}: backend=trl starts its ranks on one node; "
                           "several nodes (SLURM, srun) are not supported yet")  # fmt: skip

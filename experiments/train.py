@@ -16,7 +16,8 @@ from foundation.run_dir import RunDir
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     parts = build_components(cfg)  # validated here, also before a run of several processes starts them
-    if processes(cfg) > 1 and not started_by_launcher():
+    # backend=trl's ranks are started here; verl places its own workers on `resources` (Ray)
+    if cfg.backend.name == "trl" and processes(cfg) > 1 and not started_by_launcher():
         parts["algorithm"].per_rank(processes(cfg))  # the ranks can share the step's batch
         return summarize(launch_ranks(cfg, run_dir), run_dir)
     setup = TrainSetup(
