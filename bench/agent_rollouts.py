@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.rollout_speed import SHAPES as SPEED_SHAPES  # noqa: E402
-from bench.rollout_speed import StepTimer, copy_bandwidth, random_model  # noqa: E402
+from bench.rollout_speed import StepTimer, bandwidth_bound, copy_bandwidth, random_model  # noqa: E402
 
 QWEN25_1_5B = {
     "cls": "qwen2",
@@ -292,21 +292,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": wall,
             "engine_stats": {k: getattr(engine, k) for k in ENGINE_STATS if hasattr(engine, k)},
         }
-        result |= bandwidth_bound(model, args, args.tasks * args.group, statistics.mean(prompt_tokens) + 900)
+        # the bound with all rollouts in flight at the mean context: the prompt plus about half a 3-turn response
+        result |= bandwidth_bound(trainer, model, args.tasks * args.group, statistics.mean(prompt_tokens) + 900, args)
         result["bound_share"] = result["rollout_tokens_per_s"] / result["bound_tokens_per_s"]
         return result
-
-
-def bandwidth_bound(model: Any, args: argparse.Namespace, batch: int, mean_context: float) -> dict[str, float]:
-    """Tokens/s if each decode step of `batch` rows only read the weights once and their KV cache (mean context:
-    the prompt plus about half of a 3-turn response), at the copy bandwidth."""
-    config = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not config.tie_word_embeddings:  # the input embedding is only gathered
-        weights -= config.vocab_size * config.hidden_size * 2
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * mean_context * batch
-    return {"decode_step_bytes": weights + kv, "bound_tokens_per_s": batch * args.bandwidth / (weights + kv)}
 
 
 def table(results: list[dict[str, Any]]) -> str:

@@ -50,6 +50,7 @@ def summarize(results: dict[str, Any], run_dir: RunDir) -> dict[str, Any]:
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
+Z95 = 1.96  # the normal quantile of a two-sided 95 % interval
 
 
 def sparkline(values: list[float | None], width: int = 60) -> str:
@@ -66,7 +67,7 @@ def sparkline(values: list[float | None], width: int = 60) -> str:
     return "".join(" " if v is None else SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in values)
 
 
-def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
     """The 95 % Wilson interval of an accuracy p measured on n questions."""
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
@@ -88,7 +89,7 @@ def describe(summary: dict[str, Any]) -> str:
     if before and after:
         diff = after["accuracy"] - before["accuracy"]
         se = math.sqrt(sum(v["accuracy"] * (1 - v["accuracy"]) / v["n"] for v in (before, after)))
-        low, high = diff - 1.96 * se, diff + 1.96 * se
+        low, high = diff - Z95 * se, diff + Z95 * se
         verdict = "beyond noise" if low > 0 or high < 0 else "inside noise: this run alone shows no effect of GRPO"
         lines.append(f"  difference                {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
     rewards = summary.get("reward_per_step") or []

@@ -107,8 +107,7 @@ class AgentRollouts:
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
         self.last_samples: list[Sample] = []
-        self.rollouts_run = 0  # over the run, on this rank
-        self._counter = 0
+        self._counter = 0  # rollouts started on this rank over the run (they are named r0, r1, ...)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         weight_sync_s = self.server.load(trainer.accelerator.unwrap_model(trainer.model))
@@ -129,7 +128,6 @@ class AgentRollouts:
                     "rollout on task %s excluded (%s): %s", rollout.task.get("id"), sample.excluded, rollout.error
                 )
         self.last_rollouts, self.last_samples = rollouts, samples
-        self.rollouts_run += n
         trained = [s for s in samples if s.excluded is None]
         self.last_stats = {
             "rollout/turns_mean": sum(r.trajectory.turns for r in rollouts) / n,
@@ -167,6 +165,11 @@ class AgentRollouts:
             return excluded_sample(rollout.failure, pad_id)
         built = flatten(calls, self.max_completion_tokens)
         return excluded_sample(built, pad_id) if isinstance(built, str) else built
+
+    @property
+    def rollouts_run(self) -> int:
+        """Rollouts this rank ran over the run."""
+        return self._counter
 
     def _next_ids(self, count: int) -> list[str]:
         start, self._counter = self._counter, self._counter + count
