@@ -7,6 +7,11 @@ is one combination of factor values, its seeds the runs in it. Per cell: the met
 over seeds (t distribution, n - 1 degrees of freedom). Per factor: each cell against the baseline cell (the factor's
 first value, the others held fixed), the difference with its 95% CI (Welch's t) and a flag saying whether the
 difference is within noise (the CI contains 0). Failed, unfinished and not-started runs are listed, never averaged.
+
+Arms and controls: a run whose summary says `arm: sft_control` (algorithm=sft_control) is a control. Its cell is the
+baseline of the factor that tells it from the treatments, and the report opens with one verdict line per treatment:
+its metric against the control's, the difference with its 95% CI, better / worse / inside noise. Curves are drawn
+against training seconds (`train/elapsed_s`) where every run logs them, so arms of equal compute line up.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ METRICS = {
     "reward_final": "training reward at the last step",
 }
 WITHIN_NOISE, BEYOND_NOISE, NO_ERROR_BAR = "within noise", "beyond noise", "no error bar (n < 2)"
+CONTROL_ARM = "sft_control"  # the `arm` a control run's summary names (backends/algorithm.py SFTControl)
+ELAPSED = "train/elapsed_s"  # training seconds, validation not counted
 
 
 def _last(metrics: list[dict[str, Any]], key: str) -> float | None:
@@ -84,6 +91,8 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "wall_s": wall_s,
                 "gpus": gpus,
                 "gpu_hours": wall_s * gpus / 3600 if wall_s is not None and gpus is not None else None,
+                "arm": run.summary.get("arm"),
+                "train_gpu_s": _train_gpu_s(run, gpus),
                 "tokens": _last(run.metrics, "train/num_tokens"),
                 "error": (run.error or "").splitlines()[0] if run.error else None,
                 "overrides": " ".join(run.overrides),
@@ -91,8 +100,16 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
         )
     table = pd.DataFrame(rows)
     numeric = ["val_initial", "val_final", "val_best", "reward_final", "steps", "wall_s", "gpus", "gpu_hours", "tokens"]
+    numeric.append("train_gpu_s")
     table[numeric] = table[numeric].apply(pd.to_numeric)
-    return table
+    # controls first: the first value of a factor is its baseline, and a control is its factor's baseline
+    return table.sort_values("arm", key=lambda arm: arm != CONTROL_ARM, kind="stable").reset_index(drop=True)
+
+
+def _train_gpu_s(run: Run, gpus: int | None) -> float | None:
+    """GPU-seconds of training (warm start and validation not counted), from the last `train/elapsed_s`."""
+    elapsed = _last(run.metrics, ELAPSED)
+    return None if elapsed is None or gpus is None else elapsed * max(gpus, 1)
 
 
 def _cell_value(value: Any) -> Any:
@@ -172,6 +189,7 @@ def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
             row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
         row["wall_h/run"] = _fmt_num(runs.wall_s.mean() / 3600)
         row["gpu_h/run"] = _fmt_num(runs.gpu_hours.mean())
+        row["train_gpu_s/run"] = _fmt_num(runs.train_gpu_s.mean(), 0)
         row["tokens/run"] = _fmt_num(runs.tokens.mean(), 0)
         rows.append(row)
     return pd.DataFrame(rows)
@@ -215,34 +233,78 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
     return pd.DataFrame(rows)
 
 
+def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str) -> list[str]:
+    """One line per treatment cell against the control run with the same other factors: both means ± 95% CI, the
+    difference with its CI (Welch), and better / worse / inside noise."""
+    done = table[table.status == COMPLETED]
+    controls, treatments = done[done.arm == CONTROL_ARM], done[done.arm != CONTROL_ARM]
+    if controls.empty or treatments.empty:
+        return []
+    # the factors that tell the arms apart (algorithm=...): no value shared by a control and a treatment
+    arm_factors = [f for f in factors if not set(controls[f].map(repr)) & set(treatments[f].map(repr))]
+    others = [f for f in factors if f not in arm_factors]
+    lines = []
+    for context in _cells(treatments, others):
+        control = _in_cell(controls, others, context)
+        group = _in_cell(treatments, others, context)
+        if control.empty:
+            continue
+        for cell in _cells(group, arm_factors):
+            runs = _in_cell(group, arm_factors, cell)
+            diff, low, high, _, flag = difference(control[metric], runs[metric])
+            if flag == NO_ERROR_BAR:
+                verdict = "no verdict (fewer than 2 seeds in an arm)"
+            elif flag == WITHIN_NOISE:
+                verdict = "inside noise"
+            else:
+                verdict = f"{'better' if diff > 0 else 'worse'} than the control, beyond noise"
+            ci = f" [{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else ""
+            where = f" ({_label(others, context)})" if others else ""
+            lines.append(
+                f"{_label(arm_factors, cell)} against the control{where}: "
+                f"{_fmt_estimate(Estimate.of(runs[metric]), metric)} (n={len(runs)}) vs "
+                f"{_fmt_estimate(Estimate.of(control[metric]), metric)} (n={len(control)}); "
+                f"Δ {_fmt(diff, metric, True)}{ci}: **{verdict}**. Training GPU-seconds per run: "
+                f"{_fmt_num(runs.train_gpu_s.mean(), 0)} vs {_fmt_num(control.train_gpu_s.mean(), 0)}."
+            )
+    return lines
+
+
 def _label(factors: list[str], cell: tuple[Any, ...]) -> str:
     return ", ".join(f"{f}={v}" for f, v in zip(factors, cell, strict=True)) or "all runs"
 
 
 def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path: Path) -> None:
-    """Training reward and validation accuracy against step, one line per cell (mean over seeds, ±95% CI band)."""
+    """Training reward and validation accuracy, one line per cell (mean over seeds, ±95% CI band), against training
+    seconds where every run logs them (arms of equal compute line up), else against step."""
     done = table[table.status == COMPLETED]
     by_name = {(r.source, r.name): r for r in runs}
+    members = [by_name[(row.source, row.run)] for row in done.itertuples()]
+    use_time = bool(members) and all(any(ELAPSED in m for m in run.metrics) for run in members)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
-    for cell in _cells(done, factors):
-        members = _in_cell(done, factors, cell)
+    for index, cell in enumerate(_cells(done, factors)):
+        color = f"C{index % 10}"  # a cell's colour on both axes (a control has no reward line)
         frames = [
-            pd.DataFrame(by_name[(row.source, row.run)].metrics).assign(run=row.run) for row in members.itertuples()
+            pd.DataFrame(by_name[(row.source, row.run)].metrics).assign(run=row.run)
+            for row in _in_cell(done, factors, cell).itertuples()
         ]
         curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        if use_time:  # the validation before training (step 0) is at 0 s
+            curves[ELAPSED] = curves[ELAPSED].where(curves.step != 0, 0.0)
         for ax, key in zip(axes, ("train/reward_mean", "val/accuracy"), strict=True):
-            if key not in curves:
+            if key not in curves or curves[key].isna().all():
                 continue
-            per_step = curves.dropna(subset=[key]).groupby("step")[key]
-            mean, sem, n = per_step.mean(), per_step.sem(), per_step.count()
-            half = sem * stats.t.ppf(0.975, np.maximum(n - 1, 1))
-            line = ax.plot(mean.index, mean.values, marker=".", label=_label(factors, cell))[0]
-            ax.fill_between(mean.index, mean - half.fillna(0), mean + half.fillna(0), alpha=0.2, color=line.get_color())
+            per_step = curves.dropna(subset=[key]).groupby("step")
+            mean, sem, n = per_step[key].mean(), per_step[key].sem(), per_step[key].count()
+            x = per_step[ELAPSED].mean().to_numpy() if use_time else mean.index.to_numpy()
+            half = (sem * stats.t.ppf(0.975, np.maximum(n - 1, 1))).fillna(0).to_numpy()
+            ax.plot(x, mean.to_numpy(), marker=".", label=_label(factors, cell), color=color)
+            ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=color)
     for ax, title in zip(
         axes, ("training reward (train/reward_mean)", "validation accuracy (val/accuracy)"), strict=True
     ):
         ax.set_title(title)
-        ax.set_xlabel("step")
+        ax.set_xlabel("training seconds (train/elapsed_s)" if use_time else "step")
         ax.grid(alpha=0.3)
     handles, labels = axes[1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
@@ -252,15 +314,20 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
 
 
 def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path) -> None:
-    """The metric (mean ± 95% CI) against cost per run: GPU-hours where known, else wall-clock hours."""
+    """The metric (mean ± 95% CI) against cost per run: training GPU-seconds where every run logs them, else GPU-hours
+    where known, else wall-clock hours."""
     done = table[table.status == COMPLETED]
-    use_gpu = done.gpu_hours.notna().all() and (done.gpu_hours > 0).any()
-    cost, unit = ("gpu_hours", "GPU-hours per run") if use_gpu else ("wall_s", "wall-clock hours per run")
+    if len(done) and done.train_gpu_s.notna().all():  # training alone: what arms of equal compute share
+        cost, unit, per = "train_gpu_s", "training GPU-seconds per run", 1
+    elif done.gpu_hours.notna().all() and (done.gpu_hours > 0).any():
+        cost, unit, per = "gpu_hours", "GPU-hours per run", 1
+    else:
+        cost, unit, per = "wall_s", "wall-clock hours per run", 3600
     scale = 100 if metric in ACCURACY_METRICS else 1
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
-        x = runs[cost].mean() / (1 if use_gpu else 3600)
+        x = runs[cost].mean() / per
         e = Estimate.of(runs[metric])
         ax.errorbar(
             [x], [e.mean * scale], yerr=[(e.half or 0) * scale], fmt="o", capsize=4, label=_label(factors, cell)
@@ -282,6 +349,7 @@ class Report:
     factors: dict[str, pd.DataFrame]
     problems: pd.DataFrame
     metric: str
+    verdicts: list[str]
 
 
 def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]]:
@@ -289,7 +357,8 @@ def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]
     table = run_table(runs, factors)
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
     per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
-    return Report(table, cell_table(table, factors), per_factor, problems, metric), factors
+    verdicts = control_verdicts(table, factors, metric)
+    return Report(table, cell_table(table, factors), per_factor, problems, metric, verdicts), factors
 
 
 def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.DataFrame | None]]:
@@ -303,6 +372,12 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
         "interval over seeds (t distribution); a cell with one seed has no error bar."
     )
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
+    if report.verdicts:
+        text = (
+            "Each treatment against its control (a run with `arm: sft_control`: the warm start's SFT continued for "
+            "the same training time), over seeds; Δ = treatment - control, 95% CI from Welch's t-test.\n\n"
+        )
+        out.append(("Treatment against control", text + "\n".join(f"- {v}" for v in report.verdicts), None))
     cells = (
         "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
         "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."

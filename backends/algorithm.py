@@ -39,6 +39,7 @@ class GRPO:
     is_correction: str = one_of("token_truncate", IS_CORRECTIONS)
     is_cap: float = number(2.0, gt=1)
     reward_timeout_s: float = number(60.0, gt=0)
+    time_budget_s: float | None = number(None, gt=0)  # stop at the first step end after this much training
 
     def __post_init__(self) -> None:
         if self.batch_size % self.micro_batch_size:
@@ -79,3 +80,29 @@ class GRPO:
         share = self.batch_size // ranks
         micro = math.gcd(share, self.micro_batch_size)
         return micro, share // micro
+
+    @property
+    def lr_schedule(self) -> str:
+        """Linear decay to the last step; constant under a time budget, whose last step is not known ahead."""
+        return "linear" if self.time_budget_s is None else "constant"
+
+
+@dataclass
+class SFTControl(GRPO):
+    """The control arm of a GRPO experiment (`algorithm=sft_control`): from the same warm start, its supervised
+    fine-tuning on the agent's demonstrations goes on instead of GRPO, for `time_budget_s` seconds of training (or
+    `max_steps` SFT steps), validated as GRPO is. It reads GRPO's lengths, validation and budget keys; its own `sft_*`
+    keys say how it trains (an experiment's GRPO settings leave them alone); GRPO's sampling and loss keys are unused.
+    """
+
+    name: str = "sft_control"
+    sft_learning_rate: float = number(1e-4, gt=0)  # constant
+    sft_batch_size: int = number(32, gt=0)  # demonstrations per SFT step
+    sft_val_every: int = number(1000, gt=0)  # validate every N SFT steps (and at the end)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.time_budget_s is None and self.max_steps < 0:
+            raise ValueError(
+                "algorithm=sft_control needs algorithm.time_budget_s (the treatment's training time) or max_steps"
+            )

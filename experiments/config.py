@@ -18,6 +18,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from backends.algorithm import SFTControl
 from foundation.errors import ConfigError
 from foundation.schema import check_values, number
 
@@ -139,6 +140,8 @@ def check_cross_group(built: dict[str, Any]) -> None:
             f"algorithm.max_response_length={algo.max_response_length}: with algorithm.max_prompt_length="
             f"{algo.max_prompt_length} it needs {total} tokens, more than model.context_length={model.context_length}"
         )
+    if isinstance(algo, SFTControl) and built["warmstart"] is None:
+        raise ConfigError("algorithm=sft_control continues the warm start's SFT: it needs warmstart=sft")
     agent, data = built["agent"], built["data"]
     if agent.task_kind != data.task_kind:
         raise ConfigError(

@@ -80,18 +80,22 @@ def describe(summary: dict[str, Any]) -> str:
     lines = [f"run directory: {run}", ""]
     before = summary.get("val_after_sft") or summary.get("val_initial")
     after = summary.get("val_final")
+    control = summary.get("arm") == "sft_control"
     first = "after SFT" if "val_after_sft" in summary else "before GRPO"
-    rows = [(first, before), ("after GRPO", after)]
+    rows = [(first, before), ("after more SFT" if control else "after GRPO", after)]
     for label, val in rows:
         if val:
             low, high = wilson(val["accuracy"], val["n"])
-            lines.append(f"  val accuracy {label:<12} {val['accuracy']:.2f}  [{low:.2f}, {high:.2f}]  (n={val['n']})")
+            lines.append(f"  val accuracy {label:<15} {val['accuracy']:.2f}  [{low:.2f}, {high:.2f}]  (n={val['n']})")
     if before and after:
         diff = after["accuracy"] - before["accuracy"]
         se = math.sqrt(sum(v["accuracy"] * (1 - v["accuracy"]) / v["n"] for v in (before, after)))
         low, high = diff - Z95 * se, diff + Z95 * se
-        verdict = "beyond noise" if low > 0 or high < 0 else "inside noise: this run alone shows no effect of GRPO"
-        lines.append(f"  difference                {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
+        trained = "the control's SFT" if control else "GRPO"
+        verdict = f"inside noise: this run alone shows no effect of {trained}"
+        verdict = "beyond noise" if low > 0 or high < 0 else verdict
+
+        lines.append(f"  difference                   {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
     rewards = summary.get("reward_per_step") or []
     known = [r for r in rewards if r is not None]
     if known:
@@ -100,8 +104,12 @@ def describe(summary: dict[str, Any]) -> str:
             f"  reward per step ({len(rewards)} steps, {known[0]:.2f} -> {known[-1]:.2f}, max {max(known):.2f}):",
             f"  {sparkline(rewards)}",
         ]
-    sft, grpo = summary.get("sft", {}), summary.get("grpo", {})
-    phases = [f"SFT {sft['wall_s']:.0f} s" if sft else "", f"GRPO {grpo['wall_s']:.0f} s" if grpo else ""]
+    sft, grpo, more = (summary.get(k, {}) for k in ("sft", "grpo", "sft_control"))
+    phases = [
+        f"SFT {sft['wall_s']:.0f} s" if "wall_s" in sft else "SFT reused" if sft else "",
+        f"GRPO {grpo['wall_s']:.0f} s" if grpo else "",
+        f"SFT control {more['wall_s']:.0f} s" if more else "",
+    ]
     lines += [
         "",
         f"  time: {', '.join(p for p in phases if p) or '-'}; whole run {summary['wall_s'] / 60:.1f} min",

@@ -42,6 +42,7 @@ def compose_with(*overrides: str) -> DictConfig:
 # agent that answers the data set's tasks.
 NEEDS = {
     ("algorithm", "grpo"): "model=qwen7b",
+    ("algorithm", "sft_control"): "experiment=learn_gpu",  # a warm start, and lengths that fit the tiny model
     ("data", "med_qa"): "agent=med_sql",
     ("data", "dbbench"): "agent=dbbench",
     ("job", "status"): "job.sweep_dir=outputs/sweeps/any",  # the jobs' mandatory (???) keys
@@ -116,6 +117,10 @@ def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shorten
         (["algorithm.is_cap=0.5"], "algorithm.is_cap"),
         (["algorithm.reward_timeout_s=0"], "algorithm.reward_timeout_s"),
         (["algorithm.loss_type=bogus"], "algorithm.loss_type"),
+        (["algorithm.time_budget_s=0"], "algorithm.time_budget_s"),
+        (["algorithm=sft_control", "algorithm.max_prompt_length=512", "algorithm.max_steps=-1"], "sft_control needs"),
+        (["experiment=learn_gpu", "algorithm=sft_control", "algorithm.sft_learning_rate=0"], "algorithm.sft_learn"),
+        (["model=qwen7b", "algorithm=sft_control", "warmstart=none"], "algorithm=sft_control continues"),
     ],
 )
 def test_bad_values_name_their_key(overrides: list[str], key: str) -> None:
@@ -165,6 +170,17 @@ def test_an_agent_brings_its_data_and_reward(agent: str, data: str, reward: str)
     cfg = compose_with(f"agent={agent}")
     assert (cfg.agent.name, cfg.data.name, cfg.reward.name) == (agent, data, reward)
     assert compose_with(f"agent={agent}", "reward=rule").reward.name == "rule"  # the command line still decides
+
+
+def test_the_learning_experiment_gives_both_arms_the_same_budget_and_warm_start() -> None:
+    """experiment=learn_gpu: the GRPO settings it writes leave the control's own SFT keys alone."""
+    grpo = build_components(compose_with("experiment=learn_gpu", "algorithm=grpo"))
+    control = build_components(compose_with("experiment=learn_gpu", "algorithm=sft_control"))
+    assert grpo["algorithm"].time_budget_s == control["algorithm"].time_budget_s == 180
+    assert (grpo["algorithm"].learning_rate, control["algorithm"].sft_learning_rate) == (1e-4, 1e-4)
+    assert control["algorithm"].sft_val_every == 1000 and grpo["algorithm"].val_every == 10
+    assert grpo["warmstart"] == control["warmstart"] and control["warmstart"].shared
+    assert grpo["algorithm"].lr_schedule == "constant"
 
 
 def test_an_agent_and_data_of_different_kinds_fail_naming_both() -> None:
@@ -245,6 +261,7 @@ FREE_TEXT = {
     "DBBenchData": {"data_dir", "entry_file"},
     "MedQAData": {"data_dir", "train_split", "val_split"},  # a split is any <name>.parquet there
     "SpiderData": {"spider_dir", "train_split", "val_split"},  # train, dev, or a file name there
+    "SFTWarmstart": {"cache_dir"},
     "Endpoint": {"base_url", "model", "api_key_env"},
     "HubModel": {"hub_id", "path"},
     "TinyModel": {"hub_id", "path", "cache_dir"},

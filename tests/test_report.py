@@ -212,3 +212,63 @@ def test_a_wandb_project_reads_like_run_directories() -> None:
     assert list(built.runs.status) == ["completed", "completed", "unfinished"]
     assert list(built.runs.val_final) == [0.6, 0.6, 0.6] and list(built.runs.reward_final) == [0.3, 0.3, 0.3]
     assert list(built.problems.run) == ["agent.max_turns=3,seed=1"]
+
+
+def write_arm(path: Path, arm: str, seed: int, val_final: float) -> None:
+    """A run of experiment=learn_gpu as the TRL backend writes it: validation after the warm start (step 0, no
+    training seconds), then steps with `train/elapsed_s`; the control logs no reward."""
+    overrides = [f"algorithm={arm}", f"seed={seed}"]
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "algorithm": {"name": arm}}))
+    choices = {"algorithm": arm, "experiment": "learn_gpu"}
+    (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
+    lines: list[dict[str, Any]] = [{"step": 0, "val/accuracy": 0.5}]
+    for step, elapsed in ((10, 90.0), (20, 181.0)):
+        line: dict[str, Any] = {"step": step, "train/elapsed_s": elapsed}
+        line |= {"val/accuracy": val_final if step == 20 else 0.52}
+        line |= {"train/reward_mean": 0.4} if arm == "grpo" else {"sft/loss": 0.1}
+        lines.append(line)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    summary = {"status": "completed", "wall_s": 300.0, "device": "cuda", "overrides": overrides, "arm": arm}
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.parametrize(
+    ("grpo", "control", "verdict"),
+    [
+        ((0.62, 0.64, 0.66), (0.54, 0.55, 0.56), "**better than the control, beyond noise**"),
+        ((0.50, 0.56, 0.62), (0.53, 0.55, 0.57), "**inside noise**"),
+        ((0.40, 0.41, 0.42), (0.54, 0.55, 0.56), "**worse than the control, beyond noise**"),
+    ],
+)
+def test_a_treatment_is_judged_against_its_control(
+    tmp_path: Path, grpo: tuple[float, ...], control: tuple[float, ...], verdict: str
+) -> None:
+    """The treatment is listed first in the sweep; the control still is the baseline, the verdict line says how the
+    treatment compares over seeds, and cost is the training GPU-seconds both arms share."""
+    sweep = tmp_path / "learning"
+    num = 0
+    for arm, values in (("grpo", grpo), ("sft_control", control)):
+        for seed, value in enumerate(values):
+            write_arm(sweep / str(num), arm, seed, value)
+            num += 1
+    out = report.main([str(sweep)])
+    md = (out / "report.md").read_text()
+    lines = [line for line in out_tables(md)["Treatment against control"].splitlines() if line.startswith("- ")]
+    mean = sum(grpo) / 3 * 100
+    expected = f"{mean:.1f} ± " if len(set(grpo)) > 1 else f"{mean:.1f}"
+    assert len(lines) == 1 and lines[0].startswith(f"- algorithm=grpo against the control: {expected}")
+    assert lines[0].endswith(f"{verdict}. Training GPU-seconds per run: 181 vs 181.")
+    diff = (sum(grpo) - sum(control)) / 3 * 100
+    assert f"Δ {diff:+.1f} [" in lines[0]
+    rows = table_rows(out_tables(md)["algorithm"])
+    expected_rows = [("sft_control", "baseline"), ("grpo", f"{diff:+.1f}")]
+    assert [(r["algorithm"], r["Δ vs baseline"]) for r in rows] == expected_rows
+    assert (out / "curves.png").stat().st_size > 0
+    assert line_with(out_tables(md)["All cells"], "grpo").count("181") == 1
+
+
+def test_no_control_no_verdict_section(sweeps: tuple[Path, Path]) -> None:
+    md = (report.main([str(sweeps[0])]) / "report.md").read_text()
+    assert "Treatment against control" not in md

@@ -34,7 +34,7 @@ def test_sparkline_scales_and_buckets() -> None:
 
 def test_a_small_difference_on_100_questions_is_inside_noise() -> None:
     text = describe(summary(0.41, 0.45, [0.1, 0.2, None, 0.3]))
-    assert "val accuracy after SFT    0.41  [0.32, 0.51]  (n=100)" in text
+    assert "val accuracy after SFT       0.41  [0.32, 0.51]  (n=100)" in text
     assert "+0.04" in text and "inside noise" in text
     assert "reward per step (4 steps, 0.10 -> 0.30, max 0.30)" in text
     assert "SFT 281 s, GRPO 58 s" in text and "/runs/r/summary.json" in text

@@ -202,3 +202,54 @@ def test_sigterm_during_the_warm_start_leaves_an_interrupted_summary_that_status
     assert status_main([str(runs)]) == 0  # a folder of single runs, as outputs/runs is
     table = capsys.readouterr().out
     assert "1 interrupted" in table and "warm start (SFT)" in table and "resume: python launch.py" in table
+
+
+@pytest.mark.integration
+def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time_budget(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """experiment=learn_gpu's machinery on CPU: GRPO under a time budget builds the shared warm start; the control
+    (algorithm=sft_control) reuses the very same weights, trains SFT for its budget and is validated like GRPO."""
+    shared = [*FAST_RUN, "warmstart.shared=true", "warmstart.seed=0", "algorithm.max_prompt_length=512"]
+    grpo_dir, control_dir = tmp_path / "grpo", tmp_path / "control"
+    # a budget spent by the first step: GRPO stops there (not at max_steps) and validates as at the end
+    grpo = launch(
+        [*shared, "seed=1", "algorithm.max_steps=50", "algorithm.time_budget_s=0.01", f"hydra.run.dir={grpo_dir}"],
+        cache_dir,
+        tmp_path,
+    )
+    assert grpo.returncode == 0, grpo.stderr[-3000:]
+    control = launch(
+        [
+            *shared,
+            "seed=2",
+            "algorithm=sft_control",
+            "algorithm.time_budget_s=2",
+            "algorithm.sft_val_every=2",
+            f"hydra.run.dir={control_dir}",
+        ],
+        cache_dir,
+        tmp_path,
+    )
+    assert control.returncode == 0, control.stderr[-3000:]
+
+    first, second = (json.loads((d / "summary.json").read_text()) for d in (grpo_dir, control_dir))
+    assert (first["arm"], second["arm"]) == ("grpo", "sft_control")
+    assert "wall_s" in first["sft"] and second["sft"]["reused"] is True  # built once, by the first run
+    assert first["sft"]["checkpoint"] == second["sft"]["checkpoint"]
+    assert first["sft"]["weights_sha256"] == second["sft"]["weights_sha256"] is not None
+    same = ("accuracy", "n", "errors", "mean_turns")  # the same weights validate the same (greedy)
+    assert {k: second["val_after_sft"][k] for k in same} == {k: first["val_after_sft"][k] for k in same}
+
+    steps = metrics_of(grpo_dir)
+    assert [m["step"] for m in steps] == [0, 1] and first["grpo"]["steps"] == 1
+    assert steps[-1]["train/learning_rate"] == steps[-1]["train/learning_rate"] > 0  # constant: no decay to 0
+    assert "val/accuracy" in steps[-1] and steps[-1]["train/elapsed_s"] >= 0.01
+
+    lines = metrics_of(control_dir)
+    assert lines[0]["step"] == 0 and "train/elapsed_s" not in lines[0]
+    assert all("val/accuracy" in m and "train/elapsed_s" in m for m in lines[1:])
+    assert [m["step"] % 2 for m in lines[1:-1]] == [0] * (len(lines) - 2)  # every sft_val_every steps, and the end
+    assert lines[-1]["train/elapsed_s"] >= 2 and second["sft_control"]["train_s"] == lines[-1]["train/elapsed_s"]
+    assert second["sft_control"]["steps"] == lines[-1]["step"] and "val_final" in second
+    assert "val accuracy after more SFT" in control.stdout and "SFT reused" in control.stdout

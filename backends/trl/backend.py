@@ -10,6 +10,7 @@ current step, writes a checkpoint there and stops (`foundation.interrupt`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import random
 import time
 from dataclasses import dataclass
@@ -18,16 +19,16 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig
 
-from backends.algorithm import GRPO
+from backends.algorithm import GRPO, SFTControl
 from backends.setup import TrainSetup
 from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
-from backends.trl.sft import SFTWarmstart, demonstration_texts
+from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
@@ -99,18 +100,23 @@ class TRLBackend:
         first = ranks.main_process_first() if ranks is not None else contextlib.nullcontext()
         random.seed(setup.seed)
         torch.manual_seed(setup.seed)
+        warm = isinstance(setup.warmstart, SFTWarmstart)
+        warm_seed = setup.warmstart.seed if warm and setup.warmstart.seed is not None else setup.seed
         with first:
             train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
-            warm = isinstance(setup.warmstart, SFTWarmstart)
-            demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed) if warm else []
+            demos = setup.warmstart.demonstrations(setup.agent, train_tasks, warm_seed) if warm else []
             corpus = [text for demo in demos for text in demonstration_texts(demo)]
             corpus = (corpus or [t["query"] for t in train_tasks]) + [t["question"] for t in val_tasks]
             source = setup.model.prepare(corpus)
         metric = setup.data.metric()
         resume_from = last_complete_checkpoint(run.checkpoints)
-        sft_dir = run.checkpoints / "sft"
         tokenizer = setup.model.load_tokenizer(source)
-        results: dict[str, Any] = {"device": device, "train_tasks": len(train_tasks), "val_tasks": len(val_tasks)}
+        results: dict[str, Any] = {
+            "device": device,
+            "world_size": world_size(),
+            "train_tasks": len(train_tasks),
+            "val_tasks": len(val_tasks),
+        }
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples (rank 0 only: the
@@ -128,31 +134,44 @@ class TRLBackend:
             run.phase = phase
             return {f"val/{k}": v for k, v in vars(summary).items()}
 
-        sft_done = warm and (sft_dir / "config.json").is_file()
-        model = setup.model.load_model(str(sft_dir) if sft_done else source, device)
+        max_length = algo.max_prompt_length + algo.max_response_length
+        use_bf16 = device.startswith("cuda")
+        model = None
+        if warm:
+            sft_dir = setup.warmstart.checkpoint_dir(run.checkpoints, source, demos, max_length, use_bf16, warm_seed)
+            with setup.warmstart.exclusive(sft_dir):
+                if resume_from is None and not _agreed(_is_model(sft_dir)):  # a model that needs a warm start
+                    run.phase = "warm start (SFT)"  # scores 0 before it: not worth validating
+                    start = time.monotonic()
+                    model = setup.warmstart.train(
+                        setup.model.load_model(source, device),
+                        tokenizer,
+                        demos,
+                        sft_dir,
+                        run.path / "sft_metrics.jsonl",
+                        warm_seed,
+                        use_bf16=use_bf16,
+                        max_length=max_length,
+                    )
+                    results["sft"] = {"wall_s": time.monotonic() - start}
+            results["sft"] = results.get("sft", {"reused": True}) | {
+                "demonstrations": len(demos),
+                "checkpoint": str(sft_dir),
+                "weights_sha256": weights_digest(sft_dir) if is_main() and _is_model(sft_dir) else None,
+            }
+        if model is None:  # a resumed run's weights come from its checkpoint: the warm start may have gone
+            model = setup.model.load_model(str(sft_dir) if warm and _is_model(sft_dir) else source, device)
         if resume_from is None:
             if is_main():
                 run.metrics_file.unlink(missing_ok=True)
-            if warm and not sft_done:  # a model that needs a warm start scores 0 before it: not worth validating
-                run.phase = "warm start (SFT)"
-                start = time.monotonic()
-                model = setup.warmstart.train(
-                    model,
-                    tokenizer,
-                    demos,
-                    sft_dir,
-                    run.path / "sft_metrics.jsonl",
-                    setup.seed,
-                    use_bf16=device == "cuda",
-                    max_length=algo.max_prompt_length + algo.max_response_length,
-                )
-                results["sft"] = {"demonstrations": len(demos), "wall_s": time.monotonic() - start}
-            if is_main():
                 run.log(0, validation(model, "after_sft" if warm else "initial"))
         else:
             if is_main():
                 run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
             results["resumed_from"] = Path(resume_from).name
+        results["arm"] = algo.name
+        if isinstance(algo, SFTControl):
+            return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length)
 
         server = self._server(model, tokenizer, setup)
         rollout_func = AgentRollouts(
@@ -176,6 +195,8 @@ class TRLBackend:
             is_cap=algo.is_cap,
         )
         step_log.phase_s = trainer.phase_s
+        if resume_from is not None:  # the time budget counts the training before the restart
+            step_log.train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)
         show_progress(trainer, "GRPO")
         start = time.monotonic()
         run.phase = "GRPO"
@@ -185,8 +206,11 @@ class TRLBackend:
             step = trainer.state.global_step
             raise Interrupted(f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}")
         run.phase = "saving the final model"
-        results["grpo"] = {"steps": trainer.state.global_step, "wall_s": time.monotonic() - start}
-        results["world_size"] = world_size()
+        results["grpo"] = {
+            "steps": trainer.state.global_step,
+            "wall_s": time.monotonic() - start,
+            "train_s": step_log.train_s,
+        }
         # every rank ran its share of the rollouts (a collective: every rank gets the list)
         results["rollouts_per_rank"] = (
             gather_object([rollout_func.rollouts_run]) if ranks else [rollout_func.rollouts_run]
@@ -195,6 +219,47 @@ class TRLBackend:
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
         return results
+
+    def _control(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        demos: list[Any],
+        setup: TrainSetup,
+        validation: Any,
+        use_bf16: bool,
+        max_length: int,
+    ) -> dict[str, Any]:
+        """The control arm: the warm start's SFT goes on, on the same demonstrations, for the time budget (or
+        `max_steps`), validated every `sft_val_every` SFT steps and at the end like GRPO. Not resumable: a run started
+        again begins at the warm start."""
+        run, algo = setup.run, setup.algorithm
+        assert isinstance(algo, SFTControl)
+        budget = _Budget(setup, validation)
+        trainer = supervised(
+            model,
+            tokenizer,
+            demos,
+            output_dir=run.checkpoints,
+            steps=algo.max_steps if algo.max_steps > 0 else _UNBOUNDED_STEPS,
+            learning_rate=algo.sft_learning_rate,
+            batch_size=algo.sft_batch_size,
+            schedule="constant",
+            warmup_steps=0,
+            seed=setup.seed,
+            use_bf16=use_bf16,
+            max_length=max_length,
+            callbacks=[budget],
+        )
+        show_progress(trainer, "SFT control")
+        run.phase = "SFT control"
+        start = time.monotonic()
+        trainer.train()
+        trainer.save_model(str(run.checkpoints / "final"))
+        if is_main():
+            tokenizer.save_pretrained(str(run.checkpoints / "final"))
+        steps = trainer.state.global_step
+        return {"sft_control": {"steps": steps, "wall_s": time.monotonic() - start, "train_s": budget.train_s}}
 
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:
         algo = setup.algorithm
@@ -233,13 +298,40 @@ class TRLBackend:
             save_steps=algo.save_every,
             logging_steps=1,
             report_to=[],
-            bf16=device == "cuda",
+            bf16=device.startswith("cuda"),
+            lr_scheduler_type=algo.lr_schedule,
             gradient_checkpointing=self.gradient_checkpointing,
             use_cpu=device == "cpu",
             dataloader_num_workers=0,
             disable_tqdm=True,
             log_completions=False,
         )
+
+
+_UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
+
+
+def _is_model(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def _agreed(flag: bool) -> bool:
+    """Rank 0's value on every rank (one process: the value)."""
+    if world_size() == 1:
+        return flag
+    box = [flag]
+    broadcast_object_list(box, from_process=0)
+    return bool(box[0])
+
+
+def weights_digest(checkpoint: Path) -> str:
+    """A short SHA-256 of a checkpoint's weight files: runs that report the same one started from the same weights."""
+    digest = hashlib.sha256()
+    for path in sorted(checkpoint.glob("*.safetensors")) or sorted(checkpoint.glob("*.bin")):
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def _passthrough_reward(name: str) -> Any:
@@ -263,9 +355,44 @@ class _StopAtStepEnd(TrainerCallback):
             control.should_training_stop = True
 
 
+class _Budget(TrainerCallback):
+    """The control arm's clock and log: training seconds (validation not counted); validates every `sft_val_every`
+    SFT steps, and at the end (the time budget spent, or `max_steps`), where it stops training."""
+
+    def __init__(self, setup: TrainSetup, validate: Any) -> None:
+        self.setup = setup
+        self.validate = validate
+        self.train_s = 0.0
+        self.loss: float | None = None
+        self._since = time.perf_counter()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self._since = time.perf_counter()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if logs and "loss" in logs:
+            self.loss = float(logs["loss"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        self.train_s += time.perf_counter() - self._since
+        algo, step = self.setup.algorithm, state.global_step
+        budget = algo.time_budget_s
+        last = step == state.max_steps or (budget is not None and _agreed(self.train_s >= budget))
+        if last or step % algo.sft_val_every == 0:
+            metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss}
+            start = time.perf_counter()
+            metrics |= self.validate(model, "final" if last else f"step{step}")
+            metrics["timing_s/validation"] = time.perf_counter() - start
+            if is_main():
+                self.setup.run.log(step, metrics)
+        if last:
+            control.should_training_stop = True
+        self._since = time.perf_counter()
+
+
 class _StepLog(TrainerCallback):
     """Writes TRL's per-step logs, the rollouts' stats and the step's phase times (`timing_s/*`) to metrics.jsonl;
-    validates every `val_every` steps.
+    validates every `val_every` steps, and at the end: `max_steps`, or the time budget spent (it stops training there).
 
     timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
     generation engine (vLLM; ~0 for engines that read the model's own); rollout: the agents, their tools and rewards
@@ -280,22 +407,28 @@ class _StepLog(TrainerCallback):
         self.val_metrics: dict[str, float] = {}
         self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
         self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)
+        self.train_s = 0.0  # training seconds so far (validation not counted): train/elapsed_s
         self._step_start = time.perf_counter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        self.train_s += time.perf_counter() - self._step_start
         if world_size() > 1:  # every rank's rollout stats, averaged (a collective: every rank is here)
             shares = gather_object([self.rollouts.last_stats])
             self.stats = {k: sum(s[k] for s in shares) / len(shares) for k in shares[0]}
         else:
             self.stats = self.rollouts.last_stats
-        step = state.global_step
-        if step % self.setup.algorithm.val_every == 0 or step == state.max_steps:
+        step, budget = state.global_step, self.setup.algorithm.time_budget_s
+        out_of_time = budget is not None and _agreed(self.train_s >= budget)
+        last = step == state.max_steps or out_of_time
+        if step % self.setup.algorithm.val_every == 0 or last:
             start = time.perf_counter()
-            self.val_metrics = self.validate(model, "final" if step == state.max_steps else f"step{step}")
+            self.val_metrics = self.validate(model, "final" if last else f"step{step}")
             self.val_metrics["timing_s/validation"] = time.perf_counter() - start
+        if out_of_time:
+            control.should_training_stop = True
 
     def _timings(self) -> dict[str, float]:
         rollout = self.stats.get("timing_s/rollout", 0.0) + self.stats.get("timing_s/weight_sync", 0.0)
@@ -315,5 +448,6 @@ class _StepLog(TrainerCallback):
             for k, v in logs.items()
             if k not in _NOT_STEP_METRICS
         }
+        metrics["train/elapsed_s"] = self.train_s
         self.setup.run.log(state.global_step, metrics | self.stats | self._timings() | self.val_metrics)
         self.val_metrics = {}

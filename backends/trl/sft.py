@@ -11,9 +11,14 @@ SFTTrainer, `assistant_only_loss`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import hashlib
 import json
 import random
-from dataclasses import dataclass
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,7 @@ from trl import SFTConfig, SFTTrainer
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
 from backends.trl.progress import show_progress
+from foundation.ranks import is_main, world_size
 from foundation.schema import number
 from models.chat import for_template
 
@@ -48,6 +54,9 @@ class SFTWarmstart:
     warmup_ratio: float = number(0.05, ge=0, le=1)  # of the steps, warming the learning rate up
     rewrite_demo_fraction: float = number(0.2, ge=0, le=1)  # demonstrations with a wrong first query and its fix
     concurrency: int = number(64, gt=0)  # agent runs at once while demonstrations are collected
+    seed: int | None = number(None, ge=0)  # the demonstrations' and the training's seed (None: the run's)
+    shared: bool = False  # one checkpoint in cache_dir for every run asking for the same warm start (arms, seeds)
+    cache_dir: str = ".cache/warmstarts"  # where shared warm starts are kept
 
     def demonstrations(self, agent: Agent, tasks: list[dict[str, Any]], seed: int) -> list[Demonstration]:
         """The agent's conversations on `tasks` against a scripted model that knows the answers."""
@@ -85,6 +94,36 @@ class SFTWarmstart:
             )
         return demos
 
+    def checkpoint_dir(
+        self,
+        run_checkpoints: Path,
+        source: str,
+        demos: list[Demonstration],
+        max_length: int,
+        use_bf16: bool,
+        seed: int,
+    ) -> Path:
+        """Where the warm start's model is: the run's own `checkpoints/sft`, or with `shared` one directory in
+        `cache_dir` for every run that asks for the same warm start (model, demonstrations, settings, precision)."""
+        if not self.shared:
+            return run_checkpoints / "sft"
+        settings = {k: v for k, v in asdict(self).items() if k not in ("name", "concurrency", "shared", "cache_dir")}
+        key = [settings, source, max_length, use_bf16, seed, demos]
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+        return Path(self.cache_dir) / f"sft-{digest[:16]}"
+
+    @contextlib.contextmanager
+    def exclusive(self, checkpoint: Path) -> Iterator[None]:
+        """Held while this run builds a shared warm start: runs that want the same one wait for it (one process;
+        the ranks of one run train it together and are not locked)."""
+        if not self.shared or world_size() > 1:
+            yield
+            return
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        with open(checkpoint.with_name(checkpoint.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when the process dies
+            yield
+
     def train(
         self,
         model: PreTrainedModel,
@@ -96,38 +135,77 @@ class SFTWarmstart:
         use_bf16: bool,
         max_length: int,
     ) -> PreTrainedModel:
-        """Fine-tune `model` on the assistant turns of `demos` (cut at `max_length` tokens); save it to `output_dir`."""
-        args = SFTConfig(
-            output_dir=str(output_dir),
-            max_steps=self.steps,
-            per_device_train_batch_size=self.batch_size,
+        """Fine-tune `model` on the assistant turns of `demos` (cut at `max_length` tokens); save it to `output_dir`,
+        published whole (written next to it, then renamed)."""
+        trainer = supervised(
+            model,
+            tokenizer,
+            demos,
+            output_dir=output_dir,
+            steps=self.steps,
             learning_rate=self.learning_rate,
-            lr_scheduler_type="cosine",
+            batch_size=self.batch_size,
+            schedule="cosine",
             warmup_steps=max(1, int(self.warmup_ratio * self.steps)),
-            assistant_only_loss=True,
-            gradient_checkpointing=False,  # TRL turns it on by default; on CPU it only costs time
-            max_length=max_length,
-            logging_steps=10,
-            save_strategy="no",
-            report_to=[],
-            bf16=use_bf16,
             seed=seed,
-            data_seed=seed,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-        )
-        trainer = SFTTrainer(
-            model=model,
-            args=args,
-            train_dataset=Dataset.from_list(demos),
-            processing_class=tokenizer,
+            use_bf16=use_bf16,
+            max_length=max_length,
             callbacks=[_JsonlLog(log_file)],
         )
         show_progress(trainer, "warm start (SFT)")
         trainer.train()
-        trainer.save_model(str(output_dir))
-        tokenizer.save_pretrained(str(output_dir))
+        staging = output_dir.with_name(f".{output_dir.name}.partial")
+        trainer.save_model(str(staging))
+        if is_main():
+            tokenizer.save_pretrained(str(staging))
+            shutil.rmtree(output_dir, ignore_errors=True)  # a half-written one from an attempt that died
+            staging.rename(output_dir)
         return trainer.model
+
+
+def supervised(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    demos: list[Demonstration],
+    *,
+    output_dir: Path,
+    steps: int,
+    learning_rate: float,
+    batch_size: int,
+    schedule: str,
+    warmup_steps: int,
+    seed: int,
+    use_bf16: bool,
+    max_length: int,
+    callbacks: list[TrainerCallback],
+) -> SFTTrainer:
+    """TRL's SFTTrainer on the assistant turns of `demos` (the warm start's, and the control arm's)."""
+    args = SFTConfig(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=learning_rate,
+        lr_scheduler_type=schedule,
+        warmup_steps=warmup_steps,
+        assistant_only_loss=True,
+        gradient_checkpointing=False,  # TRL turns it on by default; on CPU it only costs time
+        max_length=max_length,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        bf16=use_bf16,
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(demos),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 
 
 class _JsonlLog(TrainerCallback):

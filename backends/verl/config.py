@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from backends.algorithm import GRPO
+from backends.algorithm import GRPO, SFTControl
 from backends.verl.settings import NEEDS_VENV, VerlSettings
 from foundation.errors import ConfigError
 from models.finetune import Full, LoRA
@@ -91,6 +91,10 @@ def verl_overrides(
         raise ConfigError(f"algorithm.loss_type={algo.loss_type} has no verl loss_agg_mode (known: {known})")
     if algo.epochs != math.floor(algo.epochs):
         raise ConfigError(f"algorithm.epochs={algo.epochs}: verl counts whole epochs")
+    if isinstance(algo, SFTControl):
+        raise ConfigError("algorithm=sft_control (the SFT control arm) runs on backend=trl only")
+    if algo.time_budget_s is not None:
+        raise ConfigError("algorithm.time_budget_s: backend=verl counts steps (set algorithm.max_steps)")
     lora = isinstance(finetune, LoRA)
     micro = algo.micro_batch_size
     return {
