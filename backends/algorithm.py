@@ -89,10 +89,11 @@ class GRPO:
 
 @dataclass
 class SFTControl(GRPO):
-    """The control arm of a GRPO experiment (`algorithm=sft_control`): from the same warm start, its supervised
-    fine-tuning on the agent's demonstrations goes on instead of GRPO, for `time_budget_s` seconds of training (or
-    `max_steps` SFT steps), validated as GRPO is. It reads GRPO's lengths, validation and budget keys; its own `sft_*`
-    keys say how it trains (an experiment's GRPO settings leave them alone); GRPO's sampling and loss keys are unused.
+    """The control arm of a GRPO experiment (`algorithm=sft_control`): from the same warm start, supervised
+    fine-tuning on demonstrations of the tasks GRPO would train on (see `warmstart.task_share`) goes on instead of
+    GRPO, for `time_budget_s` seconds of training (or `max_steps` SFT steps), validated as GRPO is. It reads GRPO's
+    lengths, validation and budget keys; its own `sft_*` keys say how it trains (an experiment's GRPO settings leave
+    them alone); GRPO's sampling and loss keys are unused.
     """
 
     name: str = "sft_control"

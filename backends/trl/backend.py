@@ -104,7 +104,8 @@ class TRLBackend:
         warm_seed = setup.warmstart.seed if warm and setup.warmstart.seed is not None else setup.seed
         with first:
             train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
-            demos = setup.warmstart.demonstrations(setup.agent, train_tasks, warm_seed) if warm else []
+            warm_tasks, train_tasks = setup.warmstart.split(train_tasks) if warm else ([], train_tasks)
+            demos = setup.warmstart.demonstrations(setup.agent, warm_tasks, warm_seed) if warm else []
             corpus = [text for demo in demos for text in demonstration_texts(demo)]
             corpus = (corpus or [t["query"] for t in train_tasks]) + [t["question"] for t in val_tasks]
             source = setup.model.prepare(corpus)
@@ -115,6 +116,7 @@ class TRLBackend:
             "device": device,
             "world_size": world_size(),
             "train_tasks": len(train_tasks),
+            "warmstart_tasks": len(warm_tasks),
             "val_tasks": len(val_tasks),
         }
 
@@ -170,7 +172,9 @@ class TRLBackend:
                 run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
             results["resumed_from"] = Path(resume_from).name
         results["arm"] = algo.name
-        if isinstance(algo, SFTControl):
+        if isinstance(algo, SFTControl):  # on the tasks GRPO would train on: the warm start's, or the others
+            if warm_tasks is not train_tasks:
+                demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
             return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length)
 
         server = self._server(model, tokenizer, setup)
