@@ -20,7 +20,7 @@ from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
 from backends.trl.backend import TRLBackend, _passthrough_reward
 from backends.trl.rollouts import AgentRollouts, task_prompt
-from backends.trl.trainer import AgentGRPOTrainer, importance_weights
+from backends.trl.trainer import AgentGRPOTrainer, drop_nonfinite_gradients, importance_weights
 from inference.policy_server import PolicyServer
 from tests.conftest import micro_tiny
 
@@ -161,3 +161,24 @@ def test_a_reward_that_raises_is_missing_not_zero() -> None:
     assert rollout.reward is None and rollout.failure == "reward_error"
     assert "gold SQL fails" in str(rollout.error)
     assert json.dumps(rollout.record())  # still a record a run writes
+
+
+def test_a_step_whose_gradient_is_not_finite_is_not_applied() -> None:
+    """One NaN gradient applied turns every weight into NaN: its gradients are dropped, and the optimizer then leaves
+    the weights (and its state) as they were; a finite step goes through."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in layer.parameters()]
+    layer(torch.tensor([[1.0, float("nan"), 0.0]])).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+    assert drop_nonfinite_gradients(layer, norm) is True
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
+    layer(torch.ones(1, 3)).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
+    assert drop_nonfinite_gradients(layer, norm) is False and drop_nonfinite_gradients(layer, None) is False
+    optimizer.step()
+    assert all(
+        torch.isfinite(p).all() and not torch.equal(a, p) for a, p in zip(before, layer.parameters(), strict=True)
+    )

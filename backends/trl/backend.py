@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,7 @@ class TRLBackend:
             is_cap=algo.is_cap,
         )
         step_log.phase_s = trainer.phase_s
+        step_log.nonfinite_steps = lambda: trainer.nonfinite_steps
         if resume_from is not None:  # the time budget counts the training before the restart
             step_log.train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)
         show_progress(trainer, "GRPO")
@@ -412,6 +414,7 @@ class _StepLog(TrainerCallback):
         self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
         self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)
         self.train_s = 0.0  # training seconds so far (validation not counted): train/elapsed_s
+        self.nonfinite_steps: Callable[[], int] = lambda: 0  # the trainer's count of dropped steps
         self._step_start = time.perf_counter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -453,5 +456,6 @@ class _StepLog(TrainerCallback):
             if k not in _NOT_STEP_METRICS
         }
         metrics["train/elapsed_s"] = self.train_s
+        metrics["train/nonfinite_grad_steps"] = self.nonfinite_steps()
         self.setup.run.log(state.global_step, metrics | self.stats | self._timings() | self.val_metrics)
         self.val_metrics = {}

@@ -13,6 +13,10 @@ token (shape (B, T)); since w >= 0, -min(r A w, clip(r) A w) = w * -min(r A, cli
 `per_token_loss * importance_sampling_ratio`. Logged per step: `sampling/logp_diff/{mean,max}` (|delta log p| over
 model tokens), `sampling/is_ratio/mean` (before truncation) and `sampling/is_ratio/clipped_frac`.
 
+A step whose gradient norm is not finite (NaN or inf) is not applied: its gradients are dropped before the optimizer
+runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/nonfinite_grad_steps`). Applied, one
+such step turns every weight into NaN, and every later rollout into garbage.
+
 It also keeps each optimizer step's phase times in `phase_s` (read and cleared by the backend's step log):
 `generation` (the whole `_generate_and_score_completions`: rollouts, then the trainer's log-probs and advantages)
 and `update` (forward, backward and optimizer over the step's micro-batches, generation left out).
@@ -52,6 +56,15 @@ def importance_weights(
     return weights * mask, metrics
 
 
+def drop_nonfinite_gradients(model: torch.nn.Module, grad_norm: float | torch.Tensor | None) -> bool:
+    """Drop every gradient of `model` when `grad_norm` is not finite (the optimizer then leaves each weight and its
+    state alone); True when it did."""
+    if grad_norm is None or bool(torch.isfinite(torch.as_tensor(grad_norm))):
+        return False
+    model.zero_grad(set_to_none=True)
+    return True
+
+
 class AgentGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + importance-sampling correction with the rollout function's log-probs (`is_correction` /
     `is_cap`: `algorithm.is_correction`, `algorithm.is_cap`; "none" leaves TRL's computation as it is)."""
@@ -61,6 +74,12 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.is_correction = is_correction
         self.is_cap = is_cap
         self.phase_s: defaultdict[str, float] = defaultdict(float)
+        self.nonfinite_steps = 0  # optimizer steps dropped for a gradient norm that is not finite
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        grad_norm = super()._clip_grad_norm(model)
+        self.nonfinite_steps += drop_nonfinite_gradients(model, grad_norm)
+        return grad_norm
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         start, generation_before = time.perf_counter(), self.phase_s["generation"]
