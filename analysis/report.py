@@ -276,11 +276,13 @@ def _label(factors: list[str], cell: tuple[Any, ...]) -> str:
 
 def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path: Path) -> None:
     """Training reward and validation accuracy, one line per cell (mean over seeds, ±95% CI band), against training
-    seconds where every run logs them (arms of equal compute line up), else against step."""
+    seconds where every run logs them (arms of equal compute line up; averaged in 12 time bins), else against step."""
     done = table[table.status == COMPLETED]
     by_name = {(r.source, r.name): r for r in runs}
     members = [by_name[(row.source, row.run)] for row in done.itertuples()]
     use_time = bool(members) and all(any(ELAPSED in m for m in run.metrics) for run in members)
+    longest = max((m.get(ELAPSED) or 0.0 for run in members for m in run.metrics), default=0.0)
+    time_bin = max(longest, 1e-9) / 12
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for index, cell in enumerate(_cells(done, factors)):
         color = f"C{index % 10}"  # a cell's colour on both axes (a control has no reward line)
@@ -289,14 +291,17 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
             for row in _in_cell(done, factors, cell).itertuples()
         ]
         curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-        if use_time:  # the validation before training (step 0) is at 0 s
+        if use_time:  # seeds log at different times: points are averaged in time bins (step 0: at 0 s, alone)
             curves[ELAPSED] = curves[ELAPSED].where(curves.step != 0, 0.0)
+            curves["point"] = np.ceil(curves[ELAPSED] / time_bin)
+        else:
+            curves["point"] = curves.step
         for ax, key in zip(axes, ("train/reward_mean", "val/accuracy"), strict=True):
             if key not in curves or curves[key].isna().all():
                 continue
-            per_step = curves.dropna(subset=[key]).groupby("step")
-            mean, sem, n = per_step[key].mean(), per_step[key].sem(), per_step[key].count()
-            x = per_step[ELAPSED].mean().to_numpy() if use_time else mean.index.to_numpy()
+            per_point = curves.dropna(subset=[key]).groupby("point")
+            mean, sem, n = per_point[key].mean(), per_point[key].sem(), per_point[key].count()
+            x = per_point[ELAPSED].mean().to_numpy() if use_time else mean.index.to_numpy()
             half = (sem * stats.t.ppf(0.975, np.maximum(n - 1, 1))).fillna(0).to_numpy()
             ax.plot(x, mean.to_numpy(), marker=".", label=_label(factors, cell), color=color)
             ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=color)
@@ -304,8 +309,9 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
         axes, ("training reward (train/reward_mean)", "validation accuracy (val/accuracy)"), strict=True
     ):
         ax.set_title(title)
-        ax.set_xlabel("training seconds (train/elapsed_s)" if use_time else "step")
+        ax.set_xlabel("training seconds (train/elapsed_s), 12 bins" if use_time else "step")
         ax.grid(alpha=0.3)
+    axes[1].set_ylim(max(axes[1].get_ylim()[0], 0.0), min(axes[1].get_ylim()[1], 1.0))  # an accuracy
     handles, labels = axes[1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
     fig.tight_layout(rect=(0, 0.06 * math.ceil(len(labels) / 2), 1, 1))
