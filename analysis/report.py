@@ -247,19 +247,22 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str) -> li
     for context in _cells(treatments, others):
         control = _in_cell(controls, others, context)
         group = _in_cell(treatments, others, context)
+        where = f" ({_label(others, context)})" if others else ""
         if control.empty:
+            lines.append(f"{_label(others, context)}: no control run with these values, no verdict.")
             continue
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
             diff, low, high, _, flag = difference(control[metric], runs[metric])
-            if flag == NO_ERROR_BAR:
+            if control[metric].isna().all() or runs[metric].isna().all():
+                verdict = f"no verdict (an arm has no `{metric}`)"
+            elif flag == NO_ERROR_BAR:
                 verdict = "no verdict (fewer than 2 seeds in an arm)"
             elif flag == WITHIN_NOISE:
                 verdict = "inside noise"
             else:
                 verdict = f"{'better' if diff > 0 else 'worse'} than the control, beyond noise"
             ci = f" [{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else ""
-            where = f" ({_label(others, context)})" if others else ""
             lines.append(
                 f"{_label(arm_factors, cell)} against the control{where}: "
                 f"{_fmt_estimate(Estimate.of(runs[metric]), metric)} (n={len(runs)}) vs "

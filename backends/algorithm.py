@@ -103,7 +103,7 @@ class SFTControl(GRPO):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.time_budget_s is None and self.max_steps < 0:
+        if self.time_budget_s is None and self.max_steps <= 0:
             raise ValueError(
                 "algorithm=sft_control needs algorithm.time_budget_s (the treatment's training time) or max_steps"
             )

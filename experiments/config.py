@@ -142,6 +142,8 @@ def check_cross_group(built: dict[str, Any]) -> None:
         )
     if isinstance(algo, SFTControl) and built["warmstart"] is None:
         raise ConfigError("algorithm=sft_control continues the warm start's SFT: it needs warmstart=sft")
+    if isinstance(algo, SFTControl) and built["finetune"].peft_config() is not None:
+        raise ConfigError("algorithm=sft_control trains every weight: it needs finetune=full (LoRA is not built in)")
     agent, data = built["agent"], built["data"]
     if agent.task_kind != data.task_kind:
         raise ConfigError(

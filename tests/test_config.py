@@ -121,6 +121,7 @@ def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shorten
         (["algorithm=sft_control", "algorithm.max_prompt_length=512", "algorithm.max_steps=-1"], "sft_control needs"),
         (["experiment=learn_gpu", "algorithm=sft_control", "algorithm.sft_learning_rate=0"], "algorithm.sft_learn"),
         (["model=qwen7b", "algorithm=sft_control", "warmstart=none"], "algorithm=sft_control continues"),
+        (["experiment=learn_gpu", "algorithm=sft_control", "finetune=lora"], "algorithm=sft_control trains every"),
     ],
 )
 def test_bad_values_name_their_key(overrides: list[str], key: str) -> None:

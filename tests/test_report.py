@@ -272,3 +272,11 @@ def test_a_treatment_is_judged_against_its_control(
 def test_no_control_no_verdict_section(sweeps: tuple[Path, Path]) -> None:
     md = (report.main([str(sweeps[0])]) / "report.md").read_text()
     assert "Treatment against control" not in md
+
+
+def test_a_metric_the_control_does_not_log_gets_no_verdict(tmp_path: Path) -> None:
+    """The control logs no reward: comparing `reward_final` says so instead of judging it."""
+    for num, (arm, seed) in enumerate([(a, s) for a in ("grpo", "sft_control") for s in range(2)]):
+        write_arm(tmp_path / "learning" / str(num), arm, seed, 0.5 + seed / 100)
+    md = (report.main([str(tmp_path / "learning"), "--metric", "reward_final"]) / "report.md").read_text()
+    assert "**no verdict (an arm has no `reward_final`)**" in out_tables(md)["Treatment against control"]

@@ -162,8 +162,10 @@ class TRLBackend:
                 "checkpoint": str(sft_dir),
                 "weights_sha256": weights_digest(sft_dir) if is_main() and _is_model(sft_dir) else None,
             }
-        if model is None:  # a resumed run's weights come from its checkpoint: the warm start may have gone
-            model = setup.model.load_model(str(sft_dir) if warm and _is_model(sft_dir) else source, device)
+        if warm and model is None and not _is_model(sft_dir):  # resumed: a LoRA checkpoint holds no base model
+            raise RuntimeError(f"resuming from {resume_from}: its warm start {sft_dir} is gone (build it again first)")
+        if model is None:
+            model = setup.model.load_model(str(sft_dir) if warm else source, device)
         if resume_from is None:
             if is_main():
                 run.metrics_file.unlink(missing_ok=True)

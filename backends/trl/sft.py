@@ -17,6 +17,7 @@ import hashlib
 import json
 import random
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,7 +121,7 @@ class SFTWarmstart:
         if not self.shared:
             return run_checkpoints / "sft"
         settings = {k: v for k, v in asdict(self).items() if k not in ("name", "concurrency", "shared", "cache_dir")}
-        key = [settings, source, max_length, use_bf16, seed, demos]
+        key = [settings, source, max_length, use_bf16, seed, world_size(), demos]  # ranks: the batch is N times
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
         return Path(self.cache_dir) / f"sft-{digest[:16]}"
 
@@ -166,12 +167,16 @@ class SFTWarmstart:
         )
         show_progress(trainer, "warm start (SFT)")
         trainer.train()
-        staging = output_dir.with_name(f".{output_dir.name}.partial")
-        trainer.save_model(str(staging))
-        if is_main():
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent)) if is_main() else None
+        trainer.save_model(str(staging or output_dir))  # rank 0 writes
+        if staging is not None:
             tokenizer.save_pretrained(str(staging))
-            shutil.rmtree(output_dir, ignore_errors=True)  # a half-written one from an attempt that died
-            staging.rename(output_dir)
+            if (output_dir / "config.json").is_file():  # published meanwhile (ranks of another run): keep that one
+                shutil.rmtree(staging, ignore_errors=True)
+            else:
+                shutil.rmtree(output_dir, ignore_errors=True)  # what an attempt that died left, never a model
+                staging.rename(output_dir)
         return trainer.model
 
 
