@@ -150,7 +150,14 @@ def slurm_sweep(
             return interrupted == {0, 1}
 
         wait_for("the first checkpoints of runs 0 and 1", interrupt, sweep, log)
-        wait_for("run 0 to be queued again", lambda: statuses(sweep_dir)[0] == "queued", sweep, log)
+
+        # "queued" lasts until SLURM starts the job again, which can be before the next poll: its second attempt is
+        # the durable sign
+        def requeued() -> bool:
+            second = (sweep_dir / "0" / "attempts.jsonl").is_file() and len(attempts(sweep_dir / "0")) >= 2
+            return second or statuses(sweep_dir)[0] == "queued"
+
+        wait_for("run 0 to be queued again (its status, or its second attempt)", requeued, sweep, log)
         wait_for(
             "run 1's interrupted summary", lambda: summary(sweep_dir / "1").get("status") == "interrupted", sweep, log
         )
