@@ -245,12 +245,12 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time
     steps = metrics_of(grpo_dir)
     assert [m["step"] for m in steps] == [0, 1] and first["grpo"]["steps"] == 1
     assert steps[-1]["train/learning_rate"] == steps[-1]["train/learning_rate"] > 0  # constant: no decay to 0
-    assert "val/accuracy" in steps[-1] and steps[-1]["train/elapsed_s"] >= 0.01
+    assert "val/accuracy" in steps[-1] and first["grpo"]["train_s"] == steps[-1]["train/elapsed_s"]
 
     lines = metrics_of(control_dir)
-    assert lines[0]["step"] == 0 and "train/elapsed_s" not in lines[0]
-    assert all("val/accuracy" in m and "train/elapsed_s" in m for m in lines[1:])
+    assert lines[0]["step"] == 0 and {"val/accuracy"} <= lines[0].keys()  # after the warm start, before training
+    assert all({"val/accuracy", "sft/loss"} <= m.keys() for m in lines[1:])
     assert [m["step"] % 2 for m in lines[1:-1]] == [0] * (len(lines) - 2)  # every sft_val_every steps, and the end
-    assert lines[-1]["train/elapsed_s"] >= 2 and second["sft_control"]["train_s"] == lines[-1]["train/elapsed_s"]
+    assert second["sft_control"]["train_s"] == lines[-1]["train/elapsed_s"]
     assert second["sft_control"]["steps"] == lines[-1]["step"] and "val_final" in second
     assert "val accuracy after more SFT" in control.stdout and "SFT reused" in control.stdout
