@@ -1,11 +1,15 @@
-"""Jobs that take seconds instead of a training run, for the dispatch tests: `job._target_=tests.jobs.quick
-+job._schema_=tests.jobs.QuickJob` (the schema lets `+job.fail`, `+job.sleep_s` through the job group's check)."""
+"""Jobs for the dispatch tests. `job._target_=tests.jobs.quick +job._schema_=tests.jobs.QuickJob` takes seconds
+instead of a training run; `tests.jobs.held_train` (schema `tests.jobs.HeldTrain`) is the training job held at its
+first checkpoint. The schemas let their keys (`+job.fail`, `+job.hold`) through the job group's check.
+
+A held run waits for the test instead of sleeping for a guessed time: a test that interrupts, cancels or waits for a
+job while it runs then finds it running, however slow the machine."""
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,22 +17,71 @@ from omegaconf import DictConfig
 
 from foundation.run_dir import RunDir
 
+RELEASE = "release"  # a held run goes on once `<run>/release` exists
+
 
 @dataclass
 class QuickJob:
     name: str = "train"
     fail: bool = False  # raise instead of returning
-    sleep_s: float = 0.0  # sleep this long first
+    hold: list[int] = field(default_factory=list)  # the runs (hydra.job.num) that wait for `<run>/release` first
+    hold_s: float = 300.0  # at most this long: a hang guard, not a timing
+
+
+@dataclass
+class HeldTrain:
+    name: str = "train"
+    hold: list[int] = field(default_factory=list)  # the runs (hydra.job.num) that wait after their first checkpoint
+    hold_s: float = 600.0  # at most this long: a hang guard, not a timing
+
+
+def held(cfg: DictConfig) -> bool:
+    """Whether this run is one of `job.hold`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().job.num in cfg.job.get("hold", [])
+
+
+def hold(run: RunDir, timeout_s: float, why: str) -> None:
+    """Wait until `<run>/release` exists, the process is stopped (cancelled, requeued, preempted) or `timeout_s` has
+    passed; say so in the job's log."""
+    print(f"held {why}", flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not (run.path / RELEASE).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def quick(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
-    """Counts its executions in `<run>/executions`, sleeps `job.sleep_s`, fails if `job.fail`."""
+    """Counts its executions in `<run>/executions`, waits if held, fails if `job.fail`."""
     with (run.path / "executions").open("a") as f:
         f.write("1")
-    time.sleep(cfg.job.get("sleep_s", 0))
+    if held(cfg):
+        hold(run, cfg.job.get("hold_s", 300.0), "until the test releases or stops this run")
     if cfg.job.get("fail", False):
         raise RuntimeError(f"asked to fail (seed={cfg.seed})")
     return {"seed": cfg.seed}
+
+
+def held_train(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
+    """The training job (experiments.train.run), except that the runs in `job.hold` wait after writing checkpoint-1
+    until the test interrupts them: a requeue or a preemption then always lands in the middle of the run. A resumed
+    run starts from checkpoint-1 and never writes it again, so only the first attempt waits."""
+    from transformers.trainer_callback import CallbackHandler
+
+    from experiments.train import run as train
+
+    if held(cfg):
+        save = CallbackHandler.on_save
+        checkpoints = (run.path / "checkpoints").resolve()
+
+        def on_save(self: CallbackHandler, args: Any, state: Any, control: Any) -> Any:
+            control = save(self, args, state, control)
+            if state.global_step == 1 and Path(args.output_dir).resolve() == checkpoints:
+                hold(run, cfg.job.get("hold_s", 600.0), "after checkpoint-1 until the test interrupts this run")
+            return control
+
+        CallbackHandler.on_save = on_save  # type: ignore[method-assign]
+    return train(cfg, run)
 
 
 def ray_nodes(cfg: DictConfig, run: RunDir) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from submitit.core.utils import JobPaths
 from analysis.status import sweep_status
 from experiments.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, ROOT
+from tests.jobs import RELEASE
 from tests.local_slurm import local_cluster
 
 # One xdist worker runs the whole file: its cluster and its sweep are module fixtures.
@@ -43,8 +44,12 @@ SLURM = [
     "hydra.launcher.array_parallelism=2",
 ]
 # 3 GRPO steps, a checkpoint after each, validation before and after; run 2 fails its config validation (lr -1).
+# Runs 0 and 1 wait after their first checkpoint until they are interrupted (tests.jobs.held_train).
 SWEEP = [
     *FAST_RUN,
+    "job._target_=tests.jobs.held_train",
+    "+job._schema_=tests.jobs.HeldTrain",
+    "+job.hold=[0,1]",
     "warmstart.steps=2",
     "algorithm.max_steps=3",
     "algorithm.val_every=3",
@@ -233,20 +238,31 @@ def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, 
 def test_a_rerun_waits_for_a_job_still_running_instead_of_submitting_it_twice(
     slurm_cluster: None, tmp_path: Path
 ) -> None:
-    sweep_dir = tmp_path / "sweep"
-    quick = ["job._target_=tests.jobs.quick", "+job._schema_=tests.jobs.QuickJob", "+job.sleep_s=20"]
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "again.log"
+    quick = ["job._target_=tests.jobs.quick", "+job._schema_=tests.jobs.QuickJob", "+job.hold=[0]"]
     args = ["-m", *quick, *SLURM, f"hydra.sweep.dir={sweep_dir}"]
+    env = env_for(tmp_path / "cache", tmp_path)
 
-    def launch(*extra: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "launch.py", *args, *extra]
-        env = env_for(tmp_path / "cache", tmp_path)
-        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-    assert launch("hydra.launcher.wait=false").returncode == 0
-    again = launch()  # while the job sleeps: waits for it
-    log = again.stdout + again.stderr
-    assert again.returncode == 0, log[-3000:]
-    assert "is still queued or running, not submitted" in log
+    submit = subprocess.run(
+        [sys.executable, "launch.py", *args, "hydra.launcher.wait=false"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert submit.returncode == 0, (submit.stdout + submit.stderr)[-3000:]
+    wait_for("run 0 to start (it then waits to be released)", lambda: (sweep_dir / "0" / "executions").is_file())
+    again = start_sweep(args, env, log)  # while the job is held: finds it and waits for it
+    try:
+        waiting = "is still queued or running, not submitted"
+        wait_for("the second launch to find the job", lambda: waiting in log.read_text(), again, log)
+        (sweep_dir / "0" / RELEASE).touch()
+        returncode = again.wait(timeout=300)
+    finally:
+        if again.poll() is None:
+            again.kill()
+    assert returncode == 0, log.read_text()[-3000:]
     assert len((sweep_dir / "jobs.jsonl").read_text().splitlines()) == 1
     assert (sweep_dir / "0" / "executions").read_text() == "1"
     assert json.loads((sweep_dir / "0" / "summary.json").read_text())["status"] == "completed"
@@ -261,14 +277,19 @@ def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
         "-m",
         "job._target_=tests.jobs.quick",
         "+job._schema_=tests.jobs.QuickJob",
-        "+job.sleep_s=45",
+        "+job.hold=[0]",  # run 0 waits until it is cancelled; run 1 completes at once
         "seed=0,1",
         *SLURM,
         f"hydra.sweep.dir={sweep_dir}",
     ]
     sweep = start_sweep(args, env_for(tmp_path / "cache", tmp_path), log)
     try:
-        wait_for("run 0 to start", lambda: (sweep_dir / "0" / "executions").is_file(), sweep, log)
+        wait_for(
+            "run 0 to start (it then waits until it is cancelled)",
+            lambda: (sweep_dir / "0" / "executions").is_file(),
+            sweep,
+            log,
+        )
         subprocess.run(["scancel", submitted_jobs(sweep_dir)[0]["job_id"]], check=True, timeout=60)
         returncode = sweep.wait(timeout=300)
     finally:

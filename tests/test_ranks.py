@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.conftest import FAST_RUN, launch
 
 
 @pytest.mark.integration
 def test_two_processes_train_one_run(cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["experiment=smoke", "agent.check_step=true", "resources.gpus_per_node=2", f"hydra.run.dir={run_dir}"]
+    args = [*FAST_RUN, "resources.gpus_per_node=2", f"hydra.run.dir={run_dir}"]
     result = launch(args, cache_dir, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -35,7 +35,7 @@ def test_two_processes_train_one_run(cache_dir: Path, tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_ranks_that_cannot_share_the_batch_fail_before_starting(cache_dir: Path, tmp_path: Path) -> None:
-    args = ["experiment=smoke", "resources.gpus_per_node=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [*FAST_RUN, "resources.gpus_per_node=3", f"hydra.run.dir={tmp_path / 'run'}"]
     result = launch(args, cache_dir, tmp_path)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert result.returncode != 0 and summary["status"] == "failed"
