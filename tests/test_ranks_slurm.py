@@ -1,0 +1,67 @@
+"""A run of two ranks on two SLURM nodes (`resources.nodes=2`): the job runs once, on its first node, and starts the
+ranks with srun, one a node (tests/slurm/local_cluster.sh with SLURM_LOCAL_NODES=2: two slurmd on this host)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from experiments.sweep import submitted_jobs
+from tests.conftest import FAST_RUN, wait_for
+from tests.local_slurm import local_cluster
+from tests.test_dispatch_slurm import attempts, env_for, start_sweep, steps, summary
+
+# The worker of the other SLURM tests: one cluster on this machine at a time.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[None]:
+    with local_cluster(nodes=2):
+        yield
+
+
+def steps_of(job_id: str) -> list[tuple[str, int, int]]:
+    """The job's steps in SLURM's accounting: (id, nodes, tasks)."""
+    out = subprocess.run(
+        ["sacct", "-n", "-P", "-j", job_id, "-o", "JobID,NNodes,NTasks"], capture_output=True, text=True, timeout=60
+    )
+    rows = [line.split("|") for line in out.stdout.splitlines() if line.count("|") == 2]
+    return [(r[0], int(r[1]), int(r[2])) for r in rows if r[0].startswith(f"{job_id}.") and r[2].isdigit()]
+
+
+@pytest.mark.integration
+def test_two_ranks_on_two_nodes_start_with_srun_and_train_one_run(
+    two_nodes: None, spider_mini_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    # 2 nodes x 1 rank of the CPU cluster: the job asks no GPU and 1 CPU a node
+    cpu_job = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1"]
+    cpu_job += ["hydra.launcher.mem_gb=4", "hydra.launcher.timeout_min=30"]
+    ranks = ["resources.nodes=2", "resources.gpus_per_node=1"]
+    args = ["-m", *FAST_RUN, *ranks, *cpu_job, f"hydra.sweep.dir={sweep_dir}"]
+    sweep = start_sweep(args, env_for(cache_dir, tmp_path), log)
+    try:
+        returncode = sweep.wait(timeout=600)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert returncode == 0, log.read_text()[-3000:]
+    run = sweep_dir / "0"
+    done = summary(run)
+    assert done["status"] == "completed" and done["world_size"] == 2 and done["steps"] == 2, done
+    assert done["rollouts_per_rank"] == [4, 4]  # both ranks ran their share of the rollouts
+    assert steps(run) == [0, 1, 2]  # rank 0 alone writes metrics
+    (job,) = submitted_jobs(sweep_dir).values()
+    assert [a["slurm_job_id"] for a in attempts(run)] == [job["job_id"]]  # one attempt: the ranks are not attempts
+    (rank_dir,) = (run / "ranks").glob("slurm-*")  # srun's step in this job, each task's output apart
+    assert rank_dir.name == f"slurm-{job['job_id']}.0"
+    logs = {p.parent.name: p.read_text() for p in rank_dir.glob("*/stderr.log")}
+    assert sorted(logs) == ["0", "1"]
+    assert "Writing model shards" in logs["0"] and "Writing model shards" not in logs["1"]  # rank 0 saves
+    # the job ran once, on one node (submitit's step), and its ranks as one step of 2 tasks over both nodes
+    wait_for(lambda: (job["job_id"] + ".1", 2, 2) in steps_of(job["job_id"]), 60, "the ranks' step in sacct")
+    assert (job["job_id"] + ".0", 1, 1) in steps_of(job["job_id"])
