@@ -300,4 +300,3 @@ def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
     assert summary(sweep_dir / "1")["status"] == "completed"  # ...once the other run has completed
     assert "has not produced any output" in output  # submitit's error for the cancelled job, raised last by Hydra
     assert statuses(sweep_dir) == {0: "failed", 1: "completed"}
-

@@ -19,7 +19,7 @@ from tests.conftest import FAST_RUN, closed_port, launch, serve
 
 pytestmark = pytest.mark.xdist_group("reward_model")  # one xdist worker: the trained model is a module fixture
 
-TRAIN = ["job=reward_model_train", *FAST_RUN, "job.steps=150", "job.eval_pairs=60"]
+TRAIN = ["job=reward_model_train", *FAST_RUN, "job.steps=60", "job.eval_pairs=60"]
 
 
 def test_convert_accepts_aliases_and_lists_every_bad_record() -> None:
@@ -48,7 +48,7 @@ def trained(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 @pytest.mark.integration
 def test_training_learns_to_prefer_correct_sql(trained: tuple[Path, dict]) -> None:
     _, summary = trained
-    assert summary["status"] == "completed" and summary["steps"] == 150
+    assert summary["status"] == "completed" and summary["steps"] == 60
     assert summary["pairwise_accuracy_held_in"] >= 0.8
 
 
