@@ -36,12 +36,14 @@ lint: setup
 test-fast: setup
 	$(BIN)/python -m pytest -m "not integration and not slurm and not verl"
 
-# The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl; each on
-# 2 pytest-xdist workers (a file's tests go to one worker where they share a module fixture: `xdist_group` marks).
-# One torch thread per process: two workers (and the runs they start) on two cores with torch's default of one thread
-# per core oversubscribe them, and two tiny runs side by side then take 2.3x as long (66 s against 29 s, measured).
-XDIST := -n 2 --dist loadgroup
+# The main suite in .venv, then the scale backend's tests (tests/test_verl_*.py, marked `verl`) in .venv-verl, on
+# pytest-xdist workers (a file's tests go to one worker where they share a module fixture: `xdist_group` marks). The
+# main suite takes 3 workers on 2 cores: many of its tests wait (on a launched run's start, a server, a SLURM job),
+# and a third worker fills those waits. The verl suite's length is its Ray group's, on one worker: 2 are enough.
+# One torch thread per process: workers (and the runs they start) with torch's default of one thread per core
+# oversubscribe the cores, and two tiny runs side by side then take 2.3x as long (66 s against 29 s, measured).
+XDIST := --dist loadgroup
 ONE_THREAD := OMP_NUM_THREADS=1
 test: lint setup-verl
-	$(ONE_THREAD) $(BIN)/python -m pytest $(XDIST) -m "not verl"
-	$(ONE_THREAD) $(VERL_BIN)/python -m pytest $(XDIST) -m verl tests/test_verl_*.py
+	$(ONE_THREAD) $(BIN)/python -m pytest -n 3 $(XDIST) -m "not verl"
+	$(ONE_THREAD) $(VERL_BIN)/python -m pytest -n 2 $(XDIST) -m verl tests/test_verl_*.py
