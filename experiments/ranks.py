@@ -83,7 +83,9 @@ def srun_command(
         "MASTER_PORT": str(free_port()),
         "LOCAL_WORLD_SIZE": str(per_node),
     }
-    as_rank = 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec "$@"'
+    # USR2 (a time limit or preemption ahead) goes to every step; this process's submitit handler requeues the job,
+    # whose ranks then start again from the latest checkpoint: the ranks ignore it (an ignored signal survives exec)
+    as_rank = 'trap "" USR2; export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec "$@"'
     command = [
         "srun", "--overlap", f"--nodes={nodes}", f"--ntasks={nodes * per_node}", f"--ntasks-per-node={per_node}",
         f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1",

@@ -27,6 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 FAST_RUN = ["experiment=smoke", "agent.check_step=true", "data.generate.n_train=120", "data.generate.n_dev=8"]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tiers first (`slurm`, `integration`: seconds to minutes a test), the unit tests after them (stable:
+    in their files' order otherwise). xdist hands tests out in this order, so the workers end on short tests
+    together instead of one worker running a long test alone at the end."""
+    items.sort(key=lambda item: not (item.get_closest_marker("slurm") or item.get_closest_marker("integration")))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache (generated data, built tiny models) for the whole session."""
