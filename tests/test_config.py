@@ -177,9 +177,9 @@ def test_the_learning_experiment_gives_both_arms_the_same_budget_and_warm_start(
     """experiment=learn_gpu: the GRPO settings it writes leave the control's own SFT keys alone."""
     grpo = build_components(compose_with("experiment=learn_gpu", "algorithm=grpo"))
     control = build_components(compose_with("experiment=learn_gpu", "algorithm=sft_control"))
-    assert grpo["algorithm"].time_budget_s == control["algorithm"].time_budget_s == 120
+    assert grpo["algorithm"].time_budget_s == control["algorithm"].time_budget_s == 150
     assert (grpo["algorithm"].learning_rate, control["algorithm"].sft_learning_rate) == (1e-4, 1e-4)
-    assert control["algorithm"].sft_val_every == 1000 and grpo["algorithm"].val_every == 15
+    assert control["algorithm"].sft_val_every == 1000 and grpo["algorithm"].val_every == 20
     assert grpo["warmstart"] == control["warmstart"] and control["warmstart"].shared
     assert grpo["algorithm"].lr_schedule == "constant"
 
