@@ -9,8 +9,9 @@ per run on the rank's device in the compute dtype, and generates from that. LoRA
 scaling, computed in float32 and rounded once); the trainer's weights are never touched.
 
 The copy stays between rollout phases: the static engine keeps its CUDA graphs bound to its tensors, and rebuilding
-them each step costs more than the memory (full weights in bf16: 15 GB per rank for a 7B model). An unsharded model
-(one process, or DDP) is generated from directly, as before.
+them each step costs more than the memory (full weights in bf16: 15 GB per rank for a 7B model). An engine that keeps
+its own weights (vLLM) needs no copy: it is handed the sharded model and gathers while it loads (`full_weights`, in
+the same order on every rank). An unsharded model (one process, or DDP) is generated from directly, as before.
 """
 
 from __future__ import annotations
@@ -82,14 +83,16 @@ class GenerationWeights:
     """What the policy server generates from: `for_generation(model)` is called on every rank before each rollout
     phase and each validation (a collective when `model` is sharded)."""
 
-    def __init__(self, device: str, dtype: torch.dtype) -> None:
+    def __init__(self, device: str, dtype: torch.dtype, copy: bool = True) -> None:
         self.device = device
         self.dtype = dtype  # the copy's: the trainer's compute dtype (bf16 on CUDA), not its fp32 master weights
+        self.copy = copy  # False: the engine loads its own weights with `full_weights` (vLLM)
         self._copy: PreTrainedModel | None = None
 
     def for_generation(self, model: PreTrainedModel) -> PreTrainedModel:
-        """`model` itself when it is whole; else the full copy, refreshed from its shards."""
-        if not is_sharded(model):
+        """`model` itself when it is whole or the engine gathers it itself; else the full copy, refreshed from its
+        shards."""
+        if not self.copy or not is_sharded(model):
             return model
         if self._copy is None:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model

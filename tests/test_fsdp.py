@@ -1,7 +1,7 @@
 """FSDP2 on 2 CPU ranks (gloo), the path backend=trl takes with `sharding=fsdp2`: accelerate shards the model (promoted
 to FSDP on CPU by `shard_on_cpu`), and one optimizer step on each rank's half of a batch leaves exactly the weights
 one process gets from the whole batch; `full_weights` gathers them whole (LoRA merged) and `GenerationWeights` fills
-its plain copy with them."""
+its plain copy with them (or hands the sharded model to an engine that gathers into its own weights)."""
 
 from __future__ import annotations
 
@@ -67,9 +67,10 @@ def _rank(rank: int, port: int, out: Path, lora: bool) -> None:
     optimizer.step()
     weights = {name: tensor.clone() for name, tensor in full_weights(model)}  # every rank gathers
     copy = GenerationWeights("cpu", torch.float32).for_generation(model)
+    own = GenerationWeights("cpu", torch.float32, copy=False).for_generation(model) is model  # vLLM gathers itself
     shard_sizes = [p.to_local().numel() for p in model.parameters()]
     if rank == 0:
-        got = {"sharded": sharded, "weights": weights, "copy": copy.state_dict(), "shards": shard_sizes}
+        got = {"sharded": sharded, "weights": weights, "copy": copy.state_dict(), "shards": shard_sizes, "own": own}
         torch.save(got, out / "0")
 
 
@@ -88,6 +89,7 @@ def test_two_sharded_ranks_step_like_one_process_and_gather_the_full_weights(tmp
     expected = dict(full_weights(reference))
 
     assert got["sharded"] and sum(got["shards"]) < sum(whole.values())  # rank 0 held part of the weights only
+    assert got["own"]  # an engine with its own weights is handed the sharded model
     assert got["weights"].keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

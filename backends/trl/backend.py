@@ -42,7 +42,7 @@ from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_reque
 from foundation.ranks import is_main, local_rank, started_by_launcher, world_size
 from foundation.run_dir import last_complete_checkpoint
 from foundation.schema import number, one_of
-from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm
+from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm, resolve_engine
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights, is_sharded
 
@@ -287,7 +287,9 @@ class TRLBackend:
     def weights(self, device: str) -> GenerationWeights:
         """What the engines generate from (the model, or its gathered copy when sharded): one for the run."""
         if self._weights is None:
-            self._weights = GenerationWeights(device, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+            own = resolve_engine(self.generation_engine, device) == "vllm"  # vLLM gathers into its own weights
+            self._weights = GenerationWeights(device, dtype, copy=not own)
         return self._weights
 
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:
