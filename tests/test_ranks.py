@@ -59,3 +59,25 @@ def test_ranks_that_cannot_share_the_batch_fail_before_starting(cache_dir: Path,
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert result.returncode != 0 and summary["status"] == "failed"
     assert "cannot be shared by 3 processes (resources.gpus_per_node)" in summary["error"]
+
+
+def test_the_7b_full_preset_asks_for_two_sharded_ranks() -> None:
+    """An experiment preset's `resources` override config.yaml's (the preset comes after it)."""
+    from tests.test_config import compose_with
+
+    cfg = compose_with("experiment=grpo-qwen2.5-7b-1n2g-full")
+    assert cfg.resources.gpus_per_node == 2 and cfg.backend.sharding == "fsdp2" and cfg.finetune.name == "full"
+    assert cfg.model.hub_id == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_more_ranks_than_gpus_fail_before_starting() -> None:
+    from experiments.ranks import check_devices
+    from foundation.errors import ConfigError
+    from tests.test_config import compose_with
+
+    cfg = compose_with("resources.gpus_per_node=2")
+    with pytest.raises(ConfigError, match=r"resources\.gpus_per_node=2: this machine has 1 GPU"):
+        check_devices(cfg, gpus=1)
+    check_devices(cfg, gpus=2)
+    check_devices(cfg, gpus=0)  # CPU ranks: gloo processes
+    check_devices(compose_with("resources.gpus_per_node=2", "backend.device=cpu"), gpus=1)
