@@ -135,10 +135,12 @@ class TRLBackend:
             rank (a sharded model's weights are gathered by all); rank 0 alone validates, the other ranks go on to
             the next step and wait for it there."""
             policy = self.weights(device).for_generation(model)
+            server = self._server(policy, tokenizer, setup)
+            server.load(policy)  # every rank: an engine with its own weights gathers sharded ones while it loads
             if not is_main():
+                server.engine.sleep()
                 return {}
             phase, run.phase = run.phase, f"validation ({name})"
-            server = self._server(policy, tokenizer, setup)
             summary, rollouts = validate_policy(
                 setup.agent, val_tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s
             )

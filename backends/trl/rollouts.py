@@ -218,8 +218,8 @@ def validate_policy(
     sampling: dict[str, Any],
     reward_timeout_s: float | None = None,
 ) -> tuple[EvalSummary, list[Rollout]]:
-    """Evaluation of the server's model on `tasks` (greedy when `sampling` says so), all batched together."""
-    server.load(server.model)
+    """Evaluation of the server's model on `tasks` (greedy when `sampling` says so), all batched together; the
+    server's engine has its weights (`server.load`, which the caller makes on every rank when they are sharded)."""
     chats = [server.chat_model(f"val{i}", sampling) for i in range(len(tasks))]
 
     async def go() -> tuple[EvalSummary, list[Rollout]]:
