@@ -39,6 +39,14 @@ def processes(cfg: DictConfig) -> int:
     return int(cfg.resources.nodes) * max(1, int(cfg.resources.gpus_per_node))
 
 
+def check_devices(cfg: DictConfig, gpus: int) -> None:
+    """One GPU a rank: a machine with `gpus` GPUs (0: CPU ranks, any number) runs at most that many a node."""
+    per_node = max(1, int(cfg.resources.gpus_per_node))
+    if cfg.backend.get("device", "auto") != "cpu" and 0 < gpus < per_node:
+        raise ConfigError(f"resources.gpus_per_node={per_node}: this machine has {gpus} GPU(s), one a rank "
+                          "(backend.device=cpu runs the ranks as CPU processes)")  # fmt: skip
+
+
 def launch_ranks(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     """Start the run's processes in this run directory (torchrun, or srun inside a SLURM job); wait; return rank 0's
     results."""
@@ -47,6 +55,10 @@ def launch_ranks(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     if nodes > 1 and not in_slurm:
         raise ConfigError(f"resources.nodes={nodes}: a run on several nodes starts its ranks with srun, inside a "
                           "SLURM job (hydra/launcher=slurm)")  # fmt: skip
+    if not in_slurm:  # under SLURM each node is checked by the job's allocation
+        import torch
+
+        check_devices(cfg, torch.cuda.device_count())
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("hydra.run.dir=")]
     own = [str(LAUNCH), *overrides, f"hydra.run.dir={run.path}"]
     (run.path / RESULTS).unlink(missing_ok=True)

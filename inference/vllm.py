@@ -13,8 +13,8 @@
   keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale).
 - Weights: vLLM starts with dummy weights built from the model's config; `load(model)` copies the trainer's current
   weights in through vLLM's own `load_weights` (the checkpoint's names and its q/k/v, gate/up stacking), before every
-  rollout phase. LoRA: each adapted weight is sent merged, W + B·A·scaling computed into a copy (PEFT's
-  `get_delta_weight`); the trainer's weights are never touched (merging and unmerging in place in bf16 would drift
+  rollout phase (`inference/weights.py`). LoRA: each adapted weight is sent merged, W + B·A·scaling computed into a
+  copy; the trainer's weights are never touched (merging and unmerging in place in bf16 would drift
   them a little every step). Merged weights rather than vLLM's LoRA adapters because generation then runs plain
   matrix products, as with full fine-tuning; the price is sending the full weights once per step, device to device.
 - Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
@@ -36,7 +36,7 @@ import queue
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +45,7 @@ import torch
 from transformers import PreTrainedModel
 
 from inference.engine import Completion, finish
+from inference.weights import full_weights
 
 log = logging.getLogger(__name__)
 
@@ -88,38 +89,6 @@ class _Request:
     top_p: float
     eos_ids: set[int]
     done: Callable[[Completion | BaseException], None]
-
-
-def trainer_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights under its checkpoint's names (what vLLM's `load_weights` maps); a LoRA layer's weight is
-    a merged copy, W + the active adapters' deltas, and the adapters themselves are left out."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    lora = {name: m for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
-    with torch.no_grad():
-        for name, param in base.named_parameters():
-            if ".lora_" in name or ".original_module." in name:
-                continue
-            name = name.replace(".modules_to_save.default.", ".")
-            owner, _, leaf = name.rpartition(".")
-            if owner.endswith(".base_layer") and owner.removesuffix(".base_layer") in lora:
-                owner = owner.removesuffix(".base_layer")
-                name = f"{owner}.{leaf}"
-                if leaf == "weight":
-                    yield name, _merged(lora[owner], param)
-                    continue
-            yield name, param.detach()
-
-
-def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:
-    adapters = [a for a in getattr(layer, "active_adapters", []) if a in layer.lora_A]
-    if layer.merged or layer.disable_adapters or not adapters:
-        return weight.detach()
-    if any(layer.use_dora.get(a, False) for a in adapters):
-        raise ValueError("DoRA adapters cannot be sent to vLLM as merged weights (use LoRA, or generation_engine=hf)")
-    out = weight.detach().to(torch.float32, copy=True)  # a copy even when the weight is float32
-    for adapter in adapters:
-        out += layer.get_delta_weight(adapter).float()
-    return out.to(weight.dtype)  # rounded once
 
 
 def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
@@ -361,7 +330,7 @@ class VLLMEngine:
             torch.cuda.empty_cache()  # what the trainer's allocator cached goes back before vLLM takes it again
             self._llm.wake_up(tags=["weights"])
         runner = self._llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        runner.model.load_weights(weights=trainer_weights(model))
+        runner.model.load_weights(weights=full_weights(model))
         if self._asleep:
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = False

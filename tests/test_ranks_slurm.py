@@ -54,6 +54,7 @@ def test_two_ranks_on_two_nodes_start_with_srun_and_train_one_run(
     done = summary(run)
     assert done["status"] == "completed" and done["world_size"] == 2 and done["steps"] == 2, done
     assert done["rollouts_per_rank"] == [4, 4]  # both ranks ran their share of the rollouts
+    assert done["sharding"] == "fsdp2"  # the model was sharded across the two nodes' ranks
     assert steps(run) == [0, 1, 2]  # rank 0 alone writes metrics
     (job,) = submitted_jobs(sweep_dir).values()
     assert [a["slurm_job_id"] for a in attempts(run)] == [job["job_id"]]  # one attempt: the ranks are not attempts

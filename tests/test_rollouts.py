@@ -1,10 +1,11 @@
 """`AgentRollouts` as TRL's rollout function, end to end on a tiny model: samples, masks, log-probs, rewards, metrics,
 and fail-closed exclusion (an agent exception and a reward timeout in a group get zero weight and leave the others'
-advantages as if they had never run)."""
+advantages as if they had never run); on 2 ranks, a group split between them is normalized as a whole."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from datasets import Dataset
 
 from agent.llm import OpenAIChat
@@ -21,6 +23,7 @@ from backends.algorithm import GRPO
 from backends.trl.backend import TRLBackend, _passthrough_reward
 from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer, drop_nonfinite_gradients, importance_weights
+from experiments.ranks import free_port
 from inference.policy_server import PolicyServer
 from tests.conftest import micro_tiny
 
@@ -63,10 +66,13 @@ class TableReward:
         return REWARDS[str(trajectory.answer)]
 
 
+CORPUS = ["How many people are there?", "Again.", "SELECT count(*) FROM people"] * 10
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     spec = micro_tiny(tmp_path_factory.mktemp("models"))
-    source = spec.prepare(["How many people are there?", "Again.", "SELECT count(*) FROM people"] * 10)
+    source = spec.prepare(CORPUS)
     return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
 
 
@@ -182,3 +188,51 @@ def test_a_step_whose_gradient_is_not_finite_is_not_applied() -> None:
     assert all(
         torch.isfinite(p).all() and not torch.equal(a, p) for a, p in zip(before, layer.parameters(), strict=True)
     )
+
+
+# A group of 4 split between 2 ranks, 2 rollouts each: rank 0's rewards, then rank 1's.
+SPLIT_REWARDS = {0: [1.0, 0.0], 1: [0.0, 0.0]}
+
+
+class RankReward:
+    """This rank's rewards in SPLIT_REWARDS, in the order of its rollouts (r0, r1 on every rank)."""
+
+    name = "rank"
+
+    def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
+        return SPLIT_REWARDS[int(os.environ["RANK"])][int(str(trajectory.answer)[1:])]
+
+
+def _split_group_rank(rank: int, port: int, models: Path, out: Path) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
+    )
+    spec = micro_tiny(models)
+    source = spec.prepare(CORPUS)
+    model, tokenizer = spec.load_model(source, "cpu"), spec.load_tokenizer(source)
+    algo = GRPO(group_size=4, tasks_per_step=1, micro_batch_size=2, max_prompt_length=256, max_response_length=96)
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=256, max_response_tokens=96)
+    rollouts = AgentRollouts(TwoTurnAgent(), RankReward(), server, {"temperature": 1.0, "max_tokens": 8}, 96)
+    task = {"id": "A", "question": "How many people are there?"}
+    trainer = AgentGRPOTrainer(
+        model=model,
+        reward_funcs=[_passthrough_reward("rank")],
+        args=TRLBackend().grpo_config(algo, str(out / "trainer"), seed=0, device="cpu"),
+        train_dataset=Dataset.from_list([{"prompt": task_prompt(task)}]),
+        processing_class=tokenizer,
+        rollout_func=rollouts,
+    )
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([{"prompt": task_prompt(task)} for _ in range(2)])  # its half
+    torch.save(output["advantages"].tolist(), out / str(rank))  # one per rollout (no IS correction: not per token)
+
+
+def test_a_group_split_across_ranks_is_normalized_as_a_whole(tmp_path: Path) -> None:
+    """TRL gathers the step's rewards from every rank before it normalizes each group: a rank whose share of a group
+    is all wrong still gets the group's baseline (normalized on its own it would get advantages of 0)."""
+    micro_tiny(tmp_path / "models").prepare(CORPUS)  # built once, before the ranks load it
+    mp.spawn(_split_group_rank, args=(free_port(), tmp_path / "models", tmp_path), nprocs=2, join=True)
+    group = torch.tensor(SPLIT_REWARDS[0] + SPLIT_REWARDS[1])
+    want = ((group - group.mean()) / (group.std() + 1e-4)).tolist()  # [1.5, -0.5, -0.5, -0.5]
+    got = torch.load(tmp_path / "0") + torch.load(tmp_path / "1")
+    assert got == pytest.approx(want, abs=1e-4)

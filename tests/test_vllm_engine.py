@@ -22,7 +22,8 @@ from experiments.config import build_components
 from foundation.errors import ConfigError
 from inference import make_engine, resolve_engine
 from inference.policy_server import PolicyServer
-from inference.vllm import VLLMEngine, VLLMSettings, trainer_weights
+from inference.vllm import VLLMEngine, VLLMSettings
+from inference.weights import full_weights
 from tests.conftest import micro_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +195,7 @@ def test_no_sleep_keeps_vllm_awake(tiny) -> None:
 
 def test_full_weights_go_under_checkpoint_names(tiny) -> None:
     model, _ = tiny
-    sent = dict(trainer_weights(model))
+    sent = dict(full_weights(model))
     assert sent.keys() == dict(model.named_parameters()).keys()
     assert all(sent[k] is p.detach() or torch.equal(sent[k], p) for k, p in model.named_parameters())
 
@@ -208,7 +209,7 @@ def test_lora_weights_go_merged_into_copies_and_the_trainer_weights_stay(tiny) -
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.5)
     before = {k: v.clone() for k, v in peft_model.named_parameters()}
-    sent = dict(trainer_weights(peft_model))
+    sent = dict(full_weights(peft_model))
     base = dict(peft_model.get_base_model().named_parameters())
     assert sent.keys() == {k.replace(".base_layer", "") for k in base if ".lora_" not in k}
     q = "model.layers.0.self_attn.q_proj"

@@ -1,6 +1,11 @@
-"""The embedded backend: TRL's GRPOTrainer (+ PEFT) in one process, CPU or one GPU (`conf/backend/trl.yaml`).
+"""The embedded backend: TRL's GRPOTrainer (+ PEFT), on CPU, one GPU or N ranks (`conf/backend/trl.yaml`).
 
     data -> [warm-start SFT] -> validate -> GRPOTrainer(rollout_func = agent on the policy server) -> validate
+
+On several ranks (`resources.gpus_per_node`, `resources.nodes`: experiments/ranks.py starts them) GRPO trains
+data-parallel: each rank runs its share of the step's rollouts on its own policy server and device, and the weights,
+gradients and optimizer state are sharded across ranks with FSDP2 (`sharding=fsdp2`, backends/trl/fsdp.py; the
+engines generate from a full copy gathered before each rollout phase, inference/weights.py) or replicated (`ddp`).
 
 Checkpoints go to `<run>/checkpoints/checkpoint-<step>` (TRL's own, resumable); a run started again in the same
 directory resumes from the latest one, and `metrics.jsonl` keeps each step once. A stop signal during GRPO ends the
@@ -27,17 +32,19 @@ from trl import GRPOConfig
 
 from backends.algorithm import GRPO, SFTControl
 from backends.setup import TrainSetup
+from backends.trl.fsdp import SHARDINGS, fsdp_arguments
 from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
-from foundation.ranks import is_main, local_rank, world_size
+from foundation.ranks import is_main, local_rank, started_by_launcher, world_size
 from foundation.run_dir import last_complete_checkpoint
 from foundation.schema import number, one_of
-from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm
+from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm, resolve_engine
 from inference.policy_server import PolicyServer
+from inference.weights import GenerationWeights, is_sharded
 
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
@@ -49,6 +56,7 @@ class TRLBackend:
     device: str = "auto"  # a torch device (cpu, cuda, cuda:1); auto: cuda when available, else cpu
     samples_per_validation: int = number(4, ge=0)  # trajectories kept in samples/ per validation
     gradient_checkpointing: bool = False
+    sharding: str = one_of("fsdp2", SHARDINGS)  # several ranks: fsdp2 shards weights, grads, optimizer; ddp copies
     batch_wait_s: float = number(0.02, ge=0)  # policy server: generate once no new request came for this long
     generation_engine: str = one_of("auto", ("auto", *ENGINES))
     cuda_graphs: bool = True
@@ -61,6 +69,7 @@ class TRLBackend:
 
     def __post_init__(self) -> None:
         self._engine: Engine | None = None
+        self._weights: GenerationWeights | None = None
         if self.generation_engine == "vllm":  # before any model loads: the extra and a GPU must be there
             try:
                 require_vllm(self.resolved_device())
@@ -122,12 +131,16 @@ class TRLBackend:
         }
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
-            """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples (rank 0 only: the
-            other ranks go on to the next step and wait for it there)."""
+            """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples. Called on every
+            rank (a sharded model's weights are gathered by all); rank 0 alone validates, the other ranks go on to
+            the next step and wait for it there."""
+            policy = self.weights(device).for_generation(model)
+            server = self._server(policy, tokenizer, setup)
+            server.load(policy)  # every rank: an engine with its own weights gathers sharded ones while it loads
             if not is_main():
+                server.engine.sleep()
                 return {}
             phase, run.phase = run.phase, f"validation ({name})"
-            server = self._server(model, tokenizer, setup)
             summary, rollouts = validate_policy(
                 setup.agent, val_tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s
             )
@@ -167,9 +180,10 @@ class TRLBackend:
         if model is None:
             model = setup.model.load_model(str(sft_dir) if warm else source, device)
         if resume_from is None:
+            initial = validation(model, "after_sft" if warm else "initial")
             if is_main():
                 run.metrics_file.unlink(missing_ok=True)
-                run.log(0, validation(model, "after_sft" if warm else "initial"))
+                run.log(0, initial)
         else:
             if is_main():
                 run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
@@ -188,6 +202,7 @@ class TRLBackend:
             algo.sampling(algo.temperature),
             algo.max_response_length,
             algo.reward_timeout_s,
+            self.weights(device),
         )
         trainer = AgentGRPOTrainer(
             model=model,
@@ -219,11 +234,13 @@ class TRLBackend:
             "wall_s": time.monotonic() - start,
             "train_s": step_log.train_s,
         }
-        # every rank ran its share of the rollouts (a collective: every rank gets the list)
-        results["rollouts_per_rank"] = (
-            gather_object([rollout_func.rollouts_run]) if ranks else [rollout_func.rollouts_run]
-        )
-        trainer.save_model(str(run.checkpoints / "final"))  # rank 0 writes
+        if started_by_launcher():  # how the ranks held the model, read off it (not the setting)
+            results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
+        # every rank ran its share of the rollouts; the most GPU memory each had allocated (collectives)
+        results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
+        if device.startswith("cuda"):
+            results["peak_gpu_memory_gb_per_rank"] = _per_rank(round(torch.cuda.max_memory_allocated() / 1e9, 2))
+        save_final(trainer, run.checkpoints / "final")
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
         return results
@@ -269,6 +286,14 @@ class TRLBackend:
         steps = trainer.state.global_step
         return {"sft_control": {"steps": steps, "wall_s": time.monotonic() - start, "train_s": budget.train_s}}
 
+    def weights(self, device: str) -> GenerationWeights:
+        """What the engines generate from (the model, or its gathered copy when sharded): one for the run."""
+        if self._weights is None:
+            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+            own = resolve_engine(self.generation_engine, device) == "vllm"  # vLLM gathers into its own weights
+            self._weights = GenerationWeights(device, dtype, copy=not own)
+        return self._weights
+
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:
         algo = setup.algorithm
         return PolicyServer(
@@ -283,9 +308,10 @@ class TRLBackend:
 
     def grpo_config(self, algo: GRPO, output_dir: str, seed: int, device: str) -> GRPOConfig:
         """TRL's settings for `algo` (also what bench/rollout_speed.py runs). With several ranks the step's batch is
-        shared: each rank trains micro-batches of at most `algo.micro_batch_size` of its share."""
+        shared: each rank trains micro-batches of at most `algo.micro_batch_size` of its share, and FSDP2 shards
+        the model across them (`sharding`)."""
         micro, accumulation = algo.per_rank(world_size())
-        return GRPOConfig(
+        settings: dict[str, Any] = dict(
             output_dir=output_dir,
             seed=seed,
             learning_rate=algo.learning_rate,
@@ -314,9 +340,28 @@ class TRLBackend:
             disable_tqdm=True,
             log_completions=False,
         )
+        if started_by_launcher() and self.sharding == "fsdp2":  # a rank of a run of several processes
+            settings |= fsdp_arguments(self.gradient_checkpointing)
+        return GRPOConfig(**settings)
 
 
 _UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
+
+
+def save_final(trainer: AgentGRPOTrainer, path: Path) -> None:
+    """The trained model as a Hugging Face checkpoint (a LoRA run: its adapter), written by rank 0. Sharded (FSDP2):
+    every rank takes part in gathering the full weights to rank 0's CPU first."""
+    if not is_sharded(trainer.model):
+        trainer.save_model(str(path))  # rank 0 writes
+        return
+    state_dict = trainer.accelerator.get_state_dict(trainer.model)  # a collective
+    if is_main():
+        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(path), state_dict=state_dict)
+
+
+def _per_rank(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (a collective with several ranks)."""
+    return gather_object([value]) if world_size() > 1 else [value]
 
 
 def _is_model(path: Path) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from inference.policy_server import CallRecord, PolicyServer
+from inference.weights import GenerationWeights
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class AgentRollouts:
         sampling: dict[str, Any],
         max_completion_tokens: int,
         reward_timeout_s: float | None = None,
+        weights: GenerationWeights | None = None,
     ) -> None:
         self.agent = agent
         self.reward = reward
@@ -104,13 +106,17 @@ class AgentRollouts:
         self.sampling = sampling
         self.max_completion_tokens = max_completion_tokens
         self.reward_timeout_s = reward_timeout_s
+        self.weights = weights  # a sharded model's full copy for generation (None: the model itself)
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
         self.last_samples: list[Sample] = []
         self._counter = 0  # rollouts started on this rank over the run (they are named r0, r1, ...)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
-        weight_sync_s = self.server.load(trainer.accelerator.unwrap_model(trainer.model))
+        start = time.perf_counter()  # a sharded model's weights are gathered on every rank, then loaded
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.server.load(model if self.weights is None else self.weights.for_generation(model))
+        weight_sync_s = time.perf_counter() - start
         start = time.perf_counter()
         tasks = [json.loads(p) for p in prompts]
         try:
@@ -212,8 +218,8 @@ def validate_policy(
     sampling: dict[str, Any],
     reward_timeout_s: float | None = None,
 ) -> tuple[EvalSummary, list[Rollout]]:
-    """Evaluation of the server's model on `tasks` (greedy when `sampling` says so), all batched together."""
-    server.load(server.model)
+    """Evaluation of the server's model on `tasks` (greedy when `sampling` says so), all batched together; the
+    server's engine has its weights (`server.load`, which the caller makes on every rank when they are sharded)."""
     chats = [server.chat_model(f"val{i}", sampling) for i in range(len(tasks))]
 
     async def go() -> tuple[EvalSummary, list[Rollout]]:

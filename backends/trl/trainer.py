@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
+from backends.trl.fsdp import shard_on_cpu
+
 
 def importance_weights(
     trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
@@ -75,6 +77,11 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.is_cap = is_cap
         self.phase_s: defaultdict[str, float] = defaultdict(float)
         self.nonfinite_steps = 0  # optimizer steps dropped for a gradient norm that is not finite
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if shard_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # FSDP2 on gloo too (backends/trl/fsdp.py)
+            self.is_fsdp_enabled = True
 
     def _clip_grad_norm(self, model: Any) -> Any:
         grad_norm = super()._clip_grad_norm(model)

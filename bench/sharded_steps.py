@@ -1,0 +1,162 @@
+"""GRPO steps through the real launcher, unsharded on one device against FSDP2 on N ranks: step time, its phases,
+rollouts/s and model tokens/s, peak memory per rank, and the ratios to the first variant, side by side in one run.
+
+Each variant is one `python launch.py` run of the same recipe (the Spider agent with the check step, random weights of
+a real model's shape built by `model=tiny`, no warm start) in its own run directory, sharing one cache (data, the
+built model). A variant is `plain` (one process, `resources.gpus_per_node=1`), or `fsdp2xN`: N ranks sharded with
+FSDP2, started as `launch.py resources.gpus_per_node=N` starts them (torchrun). `fsdp2x1` is one rank under torchrun:
+the whole sharded path (accelerate's FSDP2 on CUDA with fp32 master weights, the gathered bf16 copy that the engine
+generates from, sharded checkpoints) on a machine with one GPU, with nothing to share it with.
+
+    python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x1 --out bench/results/x.json   # 1 GPU
+    python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x2 --out ...                   # 2 GPUs
+    python bench/sharded_steps.py --shape qwen25_7b --variants fsdp2x2 --steps 3 --out ...          # 7B full, 2 GPUs
+    python bench/sharded_steps.py --shape tiny --device cpu --variants plain fsdp2x2 --steps 2       # the same on CPU
+
+Timings are medians over the steps after the first (which compiles and captures the engine's graphs), validation left
+out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# model=tiny's fields for a real model's shape (Qwen3 architecture, the project's tokenizer: vocab ~2k, not ~152k)
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4},
+    "qwen25_1_5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12},
+    "qwen25_7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28},
+}
+KV_HEADS = {"tiny": 2, "qwen25_1_5b": 2, "qwen25_7b": 4}
+
+# The workload: 16 tasks x 4 rollouts a step, the check step (up to 6 calls a rollout), 256 tokens a call at most
+RECIPE = [
+    "warmstart=none",
+    "agent.check_step=true",
+    "algorithm.group_size=4",
+    "algorithm.tasks_per_step=16",
+    "algorithm.micro_batch_size=8",
+    "algorithm.max_prompt_length=1024",
+    "algorithm.max_response_length=1536",
+    "algorithm.max_tokens_per_turn=256",
+    "algorithm.learning_rate=1e-6",
+    "algorithm.val_every=1000",
+    "algorithm.save_every=1000",
+    "data.generate.n_dev=16",
+    "model.context_length=2560",
+    "model.dtype=auto",
+]
+
+
+def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    shape = [f"model.{k}={v}" for k, v in SHAPES[args.shape].items()]
+    shape.append(f"model.num_key_value_heads={KV_HEADS[args.shape]}")
+    common = [*RECIPE, *shape, f"algorithm.max_steps={args.steps}", f"backend.device={args.device}", *args.extra]
+    launch = [sys.executable, str(ROOT / "launch.py"), *common, f"hydra.run.dir={run_dir}"]
+    if variant == "plain":
+        return launch
+    ranks = int(variant.removeprefix("fsdp2x"))
+    if ranks > 1:
+        return [*launch, f"resources.gpus_per_node={ranks}", "backend.sharding=fsdp2"]
+    # one rank, as experiments/ranks.py starts each (a run of N > 1 processes starts them itself)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *launch[1:]]
+
+
+def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    run_dir = out_dir / variant
+    env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
+    if variant == "fsdp2x1":
+        env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
+    start = time.monotonic()
+    finished = subprocess.run(variant_command(variant, args, run_dir), env=env, cwd=ROOT)
+    wall = time.monotonic() - start
+    results_file = run_dir / ("ranks/results.json" if variant == "fsdp2x1" else "summary.json")
+    if finished.returncode != 0 or not results_file.is_file():
+        return {"variant": variant, "failed": f"exit {finished.returncode}; see {run_dir}", "wall_s": wall}
+    results = json.loads(results_file.read_text())
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    timed = steps[1:] or steps  # the first step compiles and captures
+
+    def median(key: str) -> float:
+        return statistics.median(m.get(key, 0.0) for m in timed)
+
+    step_s = statistics.median(m["timing_s/step"] - m.get("timing_s/validation", 0.0) for m in timed)
+    rollouts = int(args.extra_rollouts or 0) or 16 * 4
+    tokens = median("rollout/model_tokens_mean") * rollouts * (1 - median("rollout/excluded_rate"))
+    return {
+        "variant": variant,
+        "world_size": results.get("world_size"),
+        "sharding": results.get("sharding", "none"),
+        "steps": results.get("steps"),
+        "step_s": step_s,
+        "phases_s": {k: median(f"timing_s/{k}") for k in ("weight_sync", "rollout", "scoring", "update")},
+        "rollouts_per_s": rollouts / step_s,
+        "model_tokens_per_s": tokens / step_s,
+        "peak_gpu_memory_gb_per_rank": results.get("peak_gpu_memory_gb_per_rank"),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen25_1_5b")
+    parser.add_argument("--variants", nargs="+", default=["plain", "fsdp2x1"])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--work", type=Path, default=Path("outputs/bench-sharded"))
+    parser.add_argument("--out", type=Path, help="results JSON")
+    parser.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides, for every variant")
+    parser.add_argument("--extra-rollouts", type=int, help="rollouts a step, if --extra changes them")
+    args = parser.parse_args()
+    for variant in args.variants:
+        if variant != "plain" and not (variant.startswith("fsdp2x") and variant.removeprefix("fsdp2x").isdigit()):
+            parser.error(f"unknown variant {variant!r}: plain or fsdp2xN")
+
+    import torch
+
+    rows = [run_variant(v, args, args.work) for v in args.variants]
+    base = rows[0]
+    for row in rows:
+        if "failed" not in row and "failed" not in base:
+            row["throughput_vs_first"] = row["rollouts_per_s"] / base["rollouts_per_s"]
+        print(json.dumps(row))
+    import accelerate
+    import transformers
+    import trl
+
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    report = {
+        "bench": "sharded_steps",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "accelerate": accelerate.__version__,
+        },
+        "shape": args.shape,
+        "model": SHAPES[args.shape] | {"num_key_value_heads": KV_HEADS[args.shape]},
+        "recipe": RECIPE,
+        "rows": rows,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
