@@ -63,6 +63,8 @@ def launch_ranks(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
     own = [str(LAUNCH), *overrides, f"hydra.run.dir={run.path}"]
     (run.path / RESULTS).unlink(missing_ok=True)
     env = os.environ | {RANK_OF: str(run.path)}
+    if cfg.backend.get("device", "auto") == "cpu":  # CPU ranks: FSDP2 would place its shards on a visible GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if in_slurm:
         command, env, logs = srun_command(nodes, per_node, own, run, env)
     else:

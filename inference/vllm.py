@@ -79,6 +79,7 @@ class VLLMSettings:
     enforce_eager: bool = False  # no CUDA graphs, no torch.compile (faster start, slower decode)
     max_num_batched_tokens: int = 8192  # tokens per engine step (prefill chunks + decodes)
     seed: int = 0
+    dtype: torch.dtype | None = None  # the weights' dtype in vLLM (None: the model's; FSDP2 trains fp32 masters)
 
 
 @dataclass
@@ -106,10 +107,11 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    dtype = next(base.parameters()).dtype
+    dtype = settings.dtype or next(base.parameters()).dtype
     config_dir = tempfile.mkdtemp(prefix="vllm-config-")
     config = copy.deepcopy(base.config)
-    config.architectures = [type(base).__name__]  # a model built from a config has none; vLLM picks its class by it
+    # a model built from a config has none; vLLM picks its class by it (FSDP2 renames a sharded model's class)
+    config.architectures = [architecture(base)]
     config.save_pretrained(config_dir)
     return LLM(
         model=config_dir,
@@ -129,6 +131,14 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
         generation_config="vllm",
         seed=settings.seed,
     )
+
+
+def architecture(model: PreTrainedModel) -> str:
+    """The model's class name as its checkpoint names it (`Qwen2ForCausalLM`), also when FSDP2 has sharded it (its
+    class is then `FSDPQwen2ForCausalLM`, a subclass)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _sampling_params(request: _Request) -> Any:

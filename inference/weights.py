@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -35,12 +36,12 @@ def full_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
     and the adapters themselves are left out. A DTensor shard is gathered whole first: with FSDP2 every rank must
     iterate this to the end, in step (the order is `named_parameters`', the same on every rank)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    lora = {name: m for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+    lora = {_plain(n): m for n, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
     with torch.no_grad():
         for name, param in base.named_parameters():
             if ".lora_" in name or ".original_module." in name:
                 continue
-            name = name.replace(".modules_to_save.default.", ".")
+            name = _plain(name).replace(".modules_to_save.default.", ".")
             owner, _, leaf = name.rpartition(".")
             if owner.endswith(".base_layer") and owner.removesuffix(".base_layer") in lora:
                 owner = owner.removesuffix(".base_layer")
@@ -49,6 +50,11 @@ def full_weights(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, _merged(lora[owner], _full(param))
                     continue
             yield name, _full(param)
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without the wrapper that activation checkpointing puts around each layer."""
+    return name.replace(f"{_CHECKPOINT_WRAPPED_MODULE}.", "")
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -83,16 +89,16 @@ class GenerationWeights:
     """What the policy server generates from: `for_generation(model)` is called on every rank before each rollout
     phase and each validation (a collective when `model` is sharded)."""
 
-    def __init__(self, device: str, dtype: torch.dtype, copy: bool = True) -> None:
+    def __init__(self, device: str, dtype: torch.dtype, engine_gathers: bool = False) -> None:
         self.device = device
-        self.dtype = dtype  # the copy's: the trainer's compute dtype (bf16 on CUDA), not its fp32 master weights
-        self.copy = copy  # False: the engine loads its own weights with `full_weights` (vLLM)
+        self.dtype = dtype  # the copy's: the model's as loaded (bf16 on CUDA), not FSDP2's fp32 master weights
+        self.engine_gathers = engine_gathers  # the engine loads its own weights with `full_weights` (vLLM)
         self._copy: PreTrainedModel | None = None
 
     def for_generation(self, model: PreTrainedModel) -> PreTrainedModel:
         """`model` itself when it is whole or the engine gathers it itself; else the full copy, refreshed from its
         shards."""
-        if not self.copy or not is_sharded(model):
+        if self.engine_gathers or not is_sharded(model):
             return model
         if self._copy is None:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model

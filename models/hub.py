@@ -69,17 +69,19 @@ class HubModel:
         return ChatFormat(tokenizer, self.tool_call_format, kwargs)
 
     def load_model(self, source: str, device: str) -> PreTrainedModel:
-        dtype = _resolve_dtype(self.dtype, device)
         return AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=self.attn_implementation, local_files_only=_offline()
+            source,
+            dtype=self.compute_dtype(device),
+            attn_implementation=self.attn_implementation,
+            local_files_only=_offline(),
         ).to(device)
+
+    def compute_dtype(self, device: str) -> torch.dtype:
+        """The dtype the model is loaded in and generates in on `device` (`auto`: bf16 on CUDA, else fp32)."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
 
 
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-
-
-def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, dtype)

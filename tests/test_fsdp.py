@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from experiments.ranks import free_port
+from inference.vllm import architecture
 from inference.weights import GenerationWeights, full_weights, is_sharded
 
 WORLD = 2
@@ -46,7 +47,7 @@ def _loss(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _rank(rank: int, port: int, out: Path, lora: bool) -> None:
+def _rank(rank: int, port: int, out: Path, lora: bool, checkpointing: bool) -> None:
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import TrainingArguments
@@ -56,7 +57,7 @@ def _rank(rank: int, port: int, out: Path, lora: bool) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD)
     )
-    args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[], **fsdp_arguments(False))
+    args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[], **fsdp_arguments(checkpointing))
     accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
     assert shard_on_cpu(accelerator, args.fsdp_plugin_args)
     model = _model(lora)
@@ -67,16 +68,24 @@ def _rank(rank: int, port: int, out: Path, lora: bool) -> None:
     optimizer.step()
     weights = {name: tensor.clone() for name, tensor in full_weights(model)}  # every rank gathers
     copy = GenerationWeights("cpu", torch.float32).for_generation(model)
-    own = GenerationWeights("cpu", torch.float32, copy=False).for_generation(model) is model  # vLLM gathers itself
+    vllm_like = GenerationWeights("cpu", torch.float32, engine_gathers=True)  # it gathers into its own weights
+    base = model.get_base_model() if lora else model  # what vLLM is built from
+    own = vllm_like.for_generation(model) is model and architecture(base) == "Qwen3ForCausalLM"  # its class's name
     shard_sizes = [p.to_local().numel() for p in model.parameters()]
     if rank == 0:
         got = {"sharded": sharded, "weights": weights, "copy": copy.state_dict(), "shards": shard_sizes, "own": own}
         torch.save(got, out / "0")
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_sharded_ranks_step_like_one_process_and_gather_the_full_weights(tmp_path: Path, lora: bool) -> None:
-    mp.spawn(_rank, args=(free_port(), tmp_path, lora), nprocs=WORLD, join=True)
+@pytest.mark.parametrize(
+    ("lora", "checkpointing"), [(False, False), (True, False), (False, True)], ids=["full", "lora", "checkpointing"]
+)
+def test_two_sharded_ranks_step_like_one_process_and_gather_the_full_weights(
+    tmp_path: Path, lora: bool, checkpointing: bool
+) -> None:
+    """`checkpointing`: FSDP's activation checkpointing (backend.gradient_checkpointing) wraps each layer, and its
+    parameters' names with it; the gathered weights keep the checkpoint's names."""
+    mp.spawn(_rank, args=(free_port(), tmp_path, lora, checkpointing), nprocs=WORLD, join=True)
     got = torch.load(tmp_path / "0")
 
     reference = _model(lora)
@@ -89,7 +98,7 @@ def test_two_sharded_ranks_step_like_one_process_and_gather_the_full_weights(tmp
     expected = dict(full_weights(reference))
 
     assert got["sharded"] and sum(got["shards"]) < sum(whole.values())  # rank 0 held part of the weights only
-    assert got["own"]  # an engine with its own weights is handed the sharded model
+    assert got["own"]  # an engine with its own weights is handed the sharded model, and told its architecture
     assert got["weights"].keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(got["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

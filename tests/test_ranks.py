@@ -49,7 +49,11 @@ def test_two_processes_train_one_run(cache_dir: Path, tmp_path: Path) -> None:
     assert resumed["rollouts_per_rank"] == [2, 2]  # step 2 alone ran again
     again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in again] == [0, 1, 2] and again[:2] == metrics[:2]
-    assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
+    # the final model is whole: gathered from both ranks' shards, it loads as a plain checkpoint
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "final", output_loading_info=True)
+    assert not any(final[1].values())  # no missing, unexpected or mismatched weights
 
 
 @pytest.mark.integration

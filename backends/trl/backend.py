@@ -76,8 +76,9 @@ class TRLBackend:
             except RuntimeError as exc:
                 raise ConfigError(f"backend.generation_engine=vllm: {exc}") from exc
 
-    def engine(self, max_model_len: int) -> Engine:
-        """One engine for the run (its cache, graphs or vLLM serve training and validation alike)."""
+    def engine(self, max_model_len: int, dtype: torch.dtype | None = None) -> Engine:
+        """One engine for the run (its cache, graphs or vLLM serve training and validation alike); `dtype`: the
+        weights' in vLLM (None: the model's)."""
         if self._engine is None:
             self._engine = make_engine(
                 self.generation_engine,
@@ -91,6 +92,7 @@ class TRLBackend:
                     prefix_caching=self.vllm_prefix_caching,
                     sleep=self.vllm_sleep,
                     enforce_eager=self.vllm_enforce_eager,
+                    dtype=dtype,
                 ),
             )
         return self._engine
@@ -120,6 +122,7 @@ class TRLBackend:
             corpus = (corpus or [t["query"] for t in train_tasks]) + [t["question"] for t in val_tasks]
             source = setup.model.prepare(corpus)
         metric = setup.data.metric()
+        compute_dtype = setup.model.compute_dtype(device)  # the model's as loaded (FSDP2 keeps fp32 masters beside)
         resume_from = last_complete_checkpoint(run.checkpoints)
         tokenizer = setup.model.load_tokenizer(source)
         results: dict[str, Any] = {
@@ -134,7 +137,7 @@ class TRLBackend:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples. Called on every
             rank (a sharded model's weights are gathered by all); rank 0 alone validates, the other ranks go on to
             the next step and wait for it there."""
-            policy = self.weights(device).for_generation(model)
+            policy = self.weights(device, compute_dtype).for_generation(model)
             server = self._server(policy, tokenizer, setup)
             server.load(policy)  # every rank: an engine with its own weights gathers sharded ones while it loads
             if not is_main():
@@ -202,7 +205,7 @@ class TRLBackend:
             algo.sampling(algo.temperature),
             algo.max_response_length,
             algo.reward_timeout_s,
-            self.weights(device),
+            self.weights(device, compute_dtype),
         )
         trainer = AgentGRPOTrainer(
             model=model,
@@ -240,7 +243,7 @@ class TRLBackend:
         results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
         if device.startswith("cuda"):
             results["peak_gpu_memory_gb_per_rank"] = _per_rank(round(torch.cuda.max_memory_allocated() / 1e9, 2))
-        save_final(trainer, run.checkpoints / "final")
+        save_final(trainer, run.checkpoints / "final", compute_dtype)
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
         return results
@@ -286,12 +289,11 @@ class TRLBackend:
         steps = trainer.state.global_step
         return {"sft_control": {"steps": steps, "wall_s": time.monotonic() - start, "train_s": budget.train_s}}
 
-    def weights(self, device: str) -> GenerationWeights:
-        """What the engines generate from (the model, or its gathered copy when sharded): one for the run."""
+    def weights(self, device: str, dtype: torch.dtype) -> GenerationWeights:
+        """What the engines generate from (the model, or its gathered copy in `dtype` when sharded): one a run."""
         if self._weights is None:
-            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-            own = resolve_engine(self.generation_engine, device) == "vllm"  # vLLM gathers into its own weights
-            self._weights = GenerationWeights(device, dtype, copy=not own)
+            gathers = resolve_engine(self.generation_engine, device) == "vllm"  # into its own weights, as it loads
+            self._weights = GenerationWeights(device, dtype, engine_gathers=gathers)
         return self._weights
 
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:
@@ -302,7 +304,9 @@ class TRLBackend:
             max_prompt_tokens=algo.max_prompt_length,
             max_response_tokens=algo.max_response_length,
             batch_wait_s=self.batch_wait_s,
-            engine=self.engine(algo.max_prompt_length + algo.max_response_length),
+            engine=self.engine(
+                algo.max_prompt_length + algo.max_response_length, setup.model.compute_dtype(self.resolved_device())
+            ),
             chat_format=setup.model.chat_format(tokenizer),
         )
 
@@ -348,15 +352,22 @@ class TRLBackend:
 _UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
 
 
-def save_final(trainer: AgentGRPOTrainer, path: Path) -> None:
+def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype) -> None:
     """The trained model as a Hugging Face checkpoint (a LoRA run: its adapter), written by rank 0. Sharded (FSDP2):
-    every rank takes part in gathering the full weights to rank 0's CPU first."""
+    every rank takes part in gathering the full weights to rank 0's CPU first; the fp32 master weights are written
+    in `dtype`, the model's as loaded, as an unsharded run writes them."""
     if not is_sharded(trainer.model):
         trainer.save_model(str(path))  # rank 0 writes
         return
     state_dict = trainer.accelerator.get_state_dict(trainer.model)  # a collective
     if is_main():
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(path), state_dict=state_dict)
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is on some rank (a collective with several ranks)."""
+    return any(_per_rank(flag))
 
 
 def _per_rank(value: Any) -> list[Any]:
@@ -400,10 +411,11 @@ def _passthrough_reward(name: str) -> Any:
 
 
 class _StopAtStepEnd(TrainerCallback):
-    """On a stop signal (`foundation.interrupt`), checkpoint at the end of the current step and end training."""
+    """On a stop signal (`foundation.interrupt`) to any rank, checkpoint at the end of the current step and end
+    training, on every rank together (a sharded checkpoint is a collective)."""
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if stop_requested() is not None:
+        if _any_rank(stop_requested() is not None):
             control.should_save = True
             control.should_training_stop = True
 
@@ -448,9 +460,10 @@ class _StepLog(TrainerCallback):
     validates every `val_every` steps, and at the end: `max_steps`, or the time budget spent (it stops training there).
 
     timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
-    generation engine (vLLM; ~0 for engines that read the model's own); rollout: the agents, their tools and rewards
-    (overlapped); reward_sum: the rewards' own time, summed; scoring: the trainer's log-probs, advantages and IS
-    weights after the rollouts; update: forward, backward and optimizer; validation: when the step validated.
+    generation engine (gathered first when sharded; ~0 for an unsharded model and an engine that reads it);
+    rollout: the agents, their tools and rewards (overlapped); reward_sum: the rewards' own time, summed; scoring:
+    the trainer's log-probs, advantages and IS weights after the rollouts; update: forward, backward and optimizer;
+    validation: when the step validated.
     """
 
     def __init__(self, setup: TrainSetup, rollouts: AgentRollouts, validate: Any) -> None:
