@@ -110,10 +110,13 @@ def test_a_two_seed_sweep_gives_one_run_directory_each(cache_dir: Path, tmp_path
     assert ["seed=0" in s["overrides"] for s in loaded] == [True, False]
 
 
-# The other agents, unchanged, through the same backend: small data, SFT demonstrations from their oracles.
+# The other agents, unchanged, through the same backend: small data, SFT demonstrations from their oracles. The data
+# sizes are the session fixtures' (tests/conftest.py): a run generates into the same cache directory, and other sizes
+# would replace the data a fixture's tests read (test_dbbench read 40 entries for its 28 when this ran first).
+# Each: its overrides, and the training and validation tasks they give.
 OTHER_AGENTS = {
-    "med_sql": ["agent=med_sql", "data.generate.n_train=34", "data.generate.n_val=6"],
-    "dbbench": ["agent=dbbench", "data.generate.n=40", "data.val_size=6"],
+    "med_sql": (["agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10"], 40, 10),
+    "dbbench": (["agent=dbbench", "data.generate.n=28", "data.val_size=6"], 22, 6),
 }
 
 
@@ -121,12 +124,13 @@ OTHER_AGENTS = {
 @pytest.mark.parametrize("agent", sorted(OTHER_AGENTS))
 def test_grpo_runs_every_agent(agent: str, cache_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = launch(["experiment=smoke", *OTHER_AGENTS[agent], f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    args, n_train, n_val = OTHER_AGENTS[agent]
+    result = launch(["experiment=smoke", *args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
-    assert summary["sft"]["demonstrations"] == 34  # every training task gave one
-    assert summary["val_final"]["n"] == 6 and summary["val_final"]["errors"] == 0
+    assert summary["sft"]["demonstrations"] == n_train  # every training task gave one
+    assert summary["val_final"]["n"] == n_val and summary["val_final"]["errors"] == 0
     metrics = metrics_of(run_dir)
     assert all(m["rollout/agent_error_rate"] == 0.0 for m in metrics[1:])
     # token in, token out holds for every agent: no call restarted its rollout's sequence
