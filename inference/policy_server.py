@@ -119,13 +119,11 @@ class PolicyServer:
         self.app = self._build_app()
 
     # ---- what the trainer uses ---------------------------------------------------------------------------------
-    def load(self, model: PreTrainedModel) -> float:
-        """Serve `model` with its current weights (an engine that keeps its own copy gets them now); returns the
-        seconds the weight sync took."""
-        start = time.perf_counter()
+    def load(self, model: PreTrainedModel) -> None:
+        """Serve `model` with its current weights (an engine that keeps its own copy gets them now; the caller times
+        it with the gather before it, `timing_s/weight_sync`)."""
         self.model = model
         self.engine.load(model)
-        return time.perf_counter() - start
 
     def chat_model(self, rollout_id: str, sampling: dict[str, Any]) -> OpenAIChat:
         """An in-process client (no sockets) whose calls are recorded under `rollout_id`."""
