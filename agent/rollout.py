@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -107,9 +108,42 @@ async def run_rollouts(
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))
 
 
+class _DaemonWorkers:
+    """Daemon threads that run rewards, started as needed and reused: a thread started per reward cost the event loop
+    about 2 ms each while generation and other rewards held the GIL (`bench/rollout_loop.py`). Not asyncio's default
+    executor nor a ThreadPoolExecutor: both are joined at exit, so a reward hung past its time limit would hold the
+    whole step (and the process at exit). A hung reward keeps its thread; the next job starts another."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any], None]]] = queue.SimpleQueue()
+        self._idle = 0  # threads free for a job: each queued job has one reserved
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], Any], then: Callable[[Any], None]) -> None:
+        """Run `job()` on a worker, then `then(its result)` there, once the worker counts as free again."""
+        with self._lock:
+            reuse = self._idle > 0
+            if reuse:
+                self._idle -= 1
+        if reuse:
+            self._jobs.put((job, then))
+        else:
+            threading.Thread(target=self._work, args=(job, then), name="reward", daemon=True).start()
+
+    def _work(self, job: Callable[[], Any], then: Callable[[Any], None]) -> None:
+        while True:
+            result = job()
+            with self._lock:  # free before `then` tells the caller: its next job finds this thread
+                self._idle += 1
+            then(result)
+            job, then = self._jobs.get()
+
+
+_REWARD_WORKERS = _DaemonWorkers()
+
+
 def _in_thread(reward: Reward, task: dict[str, Any], trajectory: Trajectory) -> asyncio.Future[float | None]:
-    """`reward(task, trajectory)` in a daemon thread of its own. Not asyncio's default executor: `asyncio.run` joins
-    that on exit, so a reward hung past its time limit would hold the whole step (and the process at exit)."""
+    """`reward(task, trajectory)` on a daemon worker thread (`_DaemonWorkers`)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[float | None] = loop.create_future()
 
@@ -117,16 +151,17 @@ def _in_thread(reward: Reward, task: dict[str, Any], trajectory: Trajectory) -> 
         if not future.done():  # the wait may have given up (time limit) and cancelled it
             set_outcome(outcome)
 
-    def work() -> None:
+    def work() -> tuple[Callable[[Any], None], Any]:
         try:
-            outcome: Any = reward(task, trajectory)
-            setter = future.set_result
+            return future.set_result, reward(task, trajectory)
         except Exception as exc:
-            outcome, setter = exc, future.set_exception
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for this reward any more
-            loop.call_soon_threadsafe(settle, setter, outcome)
+            return future.set_exception, exc
 
-    threading.Thread(target=work, name="reward", daemon=True).start()
+    def then(outcome: tuple[Callable[[Any], None], Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for this reward any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    _REWARD_WORKERS.submit(work, then)
     return future
 
 

@@ -3,7 +3,8 @@
 This plays, for the embedded backend, the part agent-lightning's LLM proxy plays in front of vLLM: agents talk to it
 like to any endpoint, and the trainer reads back exactly the tokens the model saw and produced.
 
-- Each rollout gets its own base URL, `/rollouts/<id>/v1`, so calls are attributed without the agent knowing.
+- Each rollout gets its own base URL, `/rollouts/<id>/v1`, so calls are attributed without the agent knowing. Its
+  client (`chat_model`) calls the server in process for `chat`; its `client` speaks HTTP to the same route.
 - Token in, token out (`models/chat.py`): a rollout's first prompt is its messages rendered by the chat template;
   when a later call's messages are the previous call's, the reply this server gave, and new messages, its prompt is
   the previous prompt + the ids sampled for it + the template's delta for the new messages only. A call whose
@@ -26,9 +27,10 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,27 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+
+
+class PromptTooLong(ValueError):
+    """A rollout's first prompt is longer than `max_prompt_tokens` (HTTP 400 on the wire)."""
+
+
+@dataclass
+class ServerChat(OpenAIChat):
+    """A rollout's client of the policy server. `chat` calls the server in this process: the same request, the same
+    recorded tokens, without the OpenAI SDK's request transform, httpx and FastAPI, which were about half of what a
+    call cost the event loop that also drives generation (`bench/rollout_loop.py`). `client` still speaks HTTP to the
+    same server (through ASGI, no sockets), for agents that bring their own OpenAI client (openai-agents)."""
+
+    complete: Callable[[ChatRequest], Awaitable[dict[str, Any]]] | None = None
+
+    async def chat(self, messages: list[dict[str, Any]]) -> str:
+        assert self.complete is not None
+        # As on the wire: the server gets its own copy of the messages, JSON's types and all.
+        request = ChatRequest(model=self.model, messages=json.loads(json.dumps(messages)), **self.sampling)
+        response = await self.complete(request)
+        return response["choices"][0]["message"].get("content") or ""
 
 
 @dataclass
@@ -125,15 +148,23 @@ class PolicyServer:
         self.model = model
         self.engine.load(model)
 
-    def chat_model(self, rollout_id: str, sampling: dict[str, Any]) -> OpenAIChat:
-        """An in-process client (no sockets) whose calls are recorded under `rollout_id`."""
+    def chat_model(self, rollout_id: str, sampling: dict[str, Any], *, wire: bool = False) -> OpenAIChat:
+        """An in-process client whose calls are recorded under `rollout_id`: a `ServerChat`, or with `wire` a plain
+        OpenAIChat whose every call goes through the SDK and HTTP (through ASGI, no sockets)."""
         self.rollouts[rollout_id] = _RolloutState()
-        return OpenAIChat.connect(
+        http = OpenAIChat.connect(
             f"http://policy/rollouts/{rollout_id}/v1",
             "policy",
             sampling=sampling,
             transport=httpx.ASGITransport(app=self.app),
         )
+        if wire:
+            return http
+
+        async def complete(request: ChatRequest) -> dict[str, Any]:
+            return await self._complete(rollout_id, request)
+
+        return ServerChat(http.client, http.model, http.sampling, complete)
 
     @contextmanager
     def active_rollouts(self, count: int) -> Iterator[None]:
@@ -158,11 +189,11 @@ class PolicyServer:
 
         @app.post("/v1/chat/completions")
         async def completions(request: ChatRequest) -> dict[str, Any]:
-            return await self._complete(DEFAULT_ROLLOUT, request)
+            return await self._complete_http(DEFAULT_ROLLOUT, request)
 
         @app.post("/rollouts/{rollout_id}/v1/chat/completions")
         async def rollout_completions(rollout_id: str, request: ChatRequest) -> dict[str, Any]:
-            return await self._complete(rollout_id, request)
+            return await self._complete_http(rollout_id, request)
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -170,13 +201,18 @@ class PolicyServer:
 
         return app
 
+    async def _complete_http(self, rollout_id: str, request: ChatRequest) -> dict[str, Any]:
+        try:
+            return await self._complete(rollout_id, request)
+        except PromptTooLong as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+
     async def _complete(self, rollout_id: str, request: ChatRequest) -> dict[str, Any]:
         state = self.rollouts.setdefault(rollout_id, _RolloutState())
         prompt_ids, continues = self._prompt_ids(state, request.messages, request.tools)
         if not state.records and len(prompt_ids) > self.max_prompt_tokens:
-            raise HTTPException(
-                status_code=400,
-                detail=f"prompt of {len(prompt_ids)} tokens is longer than the limit of {self.max_prompt_tokens}",
+            raise PromptTooLong(
+                f"prompt of {len(prompt_ids)} tokens is longer than the limit of {self.max_prompt_tokens}"
             )
         # A rollout's response budget covers all its turns: what it generated and what was added between turns. A
         # call that starts a new sequence is held to the same limits as a first call.

@@ -11,7 +11,7 @@ import pytest
 
 from agent.llm import OpenAIChat
 from backends.trl.rollouts import flatten
-from inference.policy_server import PolicyServer
+from inference.policy_server import PolicyServer, PromptTooLong
 from tests.conftest import micro_tiny
 
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10
@@ -119,11 +119,39 @@ def test_a_spent_response_budget_ends_the_rollout_with_length_and_its_sample_is_
     assert flatten([first, second], max_completion_tokens=1000) == "overflow"  # never cut with the full reward
 
 
-def test_too_long_a_prompt_is_a_clear_400(tiny) -> None:
+def test_too_long_a_prompt_is_a_clear_error_in_process_and_a_400_on_the_wire(tiny) -> None:
     server = server_for(tiny, max_prompt_tokens=4)
-    chat = server.chat_model("r0", {"temperature": 0.0})
+    messages = [{"role": "user", "content": "What is in the table?"}]
+    with pytest.raises(PromptTooLong, match="longer than the limit of 4"):
+        asyncio.run(server.chat_model("r0", {"temperature": 0.0}).chat(messages))
     with pytest.raises(openai.BadRequestError, match="longer than the limit of 4"):
-        asyncio.run(chat.chat([{"role": "user", "content": "What is in the table?"}]))
+        asyncio.run(server.chat_model("r1", {"temperature": 0.0}, wire=True).chat(messages))
+
+
+def test_in_process_and_http_calls_record_the_same_tokens(tiny) -> None:
+    """`chat` skips the SDK and HTTP; what the server sees, samples and records is the same as on the wire, and the
+    rollout's `client` (for agents that bring an OpenAI client) reaches the same rollout's records."""
+    server = server_for(tiny)
+    replies = {}
+    for rollout_id, wire in (("direct", False), ("wire", True)):
+        replies[rollout_id] = asyncio.run(two_turns(server.chat_model(rollout_id, {"temperature": 0.0}, wire=wire)))
+    direct, wire = server.pop_records("direct"), server.pop_records("wire")
+    assert replies["direct"] == replies["wire"]
+    assert [(c.prompt_ids, c.completion_ids, c.continues) for c in direct] == [
+        (c.prompt_ids, c.completion_ids, c.continues) for c in wire
+    ]
+    assert len(direct) == 2 and direct[1].continues
+
+    chat = server.chat_model("sdk", {"temperature": 0.0})
+
+    async def through_client() -> str:
+        response = await chat.client.chat.completions.create(
+            model=chat.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        return response.choices[0].message.content or ""
+
+    asyncio.run(through_client())
+    assert len(server.pop_records("sdk")) == 1
 
 
 def test_a_call_that_does_not_continue_makes_the_sample_inexact(tiny, tmp_path: Path) -> None:

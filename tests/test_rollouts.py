@@ -169,6 +169,41 @@ def test_a_reward_that_raises_is_missing_not_zero() -> None:
     assert json.dumps(rollout.record())  # still a record a run writes
 
 
+def test_rewards_reuse_their_threads_and_a_hung_one_holds_only_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reward threads are kept between steps (no thread started per reward): over 10 steps of 8 rewards, no more
+    threads run them than run at once in one step, plus the one a reward hung past its time limit keeps while the
+    later steps go on without it."""
+    import asyncio
+
+    import agent.rollout
+
+    monkeypatch.setattr(agent.rollout, "_REWARD_WORKERS", agent.rollout._DaemonWorkers())  # none left by other tests
+    release = threading.Event()
+    ran_on: set[threading.Thread] = set()  # the objects, whose identity is never reused (thread ids are)
+
+    def reward(task: dict[str, Any], trajectory: Trajectory) -> float:
+        if task["id"] == "hangs":
+            release.wait(timeout=60)  # bounded: released at the end of the test
+        ran_on.add(threading.current_thread())
+        return 1.0
+
+    class Quiet:
+        async def run(self, task: dict[str, Any], llm: Any) -> Trajectory:
+            return Trajectory(final_sql="SELECT 1")
+
+    def step(tasks: list[dict[str, Any]]) -> list[Any]:
+        return asyncio.run(run_rollouts(Quiet(), tasks, lambda _i: None, reward, reward_timeout_s=2))  # type: ignore[arg-type]
+
+    try:
+        first = step([{"id": i} for i in range(7)] + [{"id": "hangs"}])
+        assert [r.reward for r in first] == [1.0] * 7 + [None] and "timed out" in str(first[-1].error)
+        for _ in range(9):
+            assert [r.reward for r in step([{"id": i} for i in range(8)])] == [1.0] * 8
+        assert len(ran_on) <= 8 + 1  # a thread per reward would be 79
+    finally:
+        release.set()
+
+
 def test_a_step_whose_gradient_is_not_finite_is_not_applied() -> None:
     """One NaN gradient applied turns every weight into NaN: its gradients are dropped, and the optimizer then leaves
     the weights (and its state) as they were; a finite step goes through."""
