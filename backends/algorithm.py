@@ -23,6 +23,7 @@ class GRPO:
     tasks_per_step: int = number(4, gt=0)
     micro_batch_size: int = number(8, gt=0)
     learning_rate: float = number(1e-6, gt=0)
+    lr_warmup_steps: int = number(0, ge=0)  # optimizer steps over which the learning rate rises from 0 to its value
     kl_coef: float = number(0.0, ge=0)
     clip_ratio: float = number(0.2, gt=0)
     clip_ratio_high: float | None = number(None, gt=0)
@@ -83,8 +84,11 @@ class GRPO:
 
     @property
     def lr_schedule(self) -> str:
-        """Linear decay to the last step; constant under a time budget, whose last step is not known ahead."""
-        return "linear" if self.time_budget_s is None else "constant"
+        """After `lr_warmup_steps`, linear decay to the last step; constant under a time budget, whose last step is not
+        known ahead."""
+        if self.time_budget_s is None:
+            return "linear"
+        return "constant_with_warmup" if self.lr_warmup_steps else "constant"
 
 
 @dataclass

@@ -181,7 +181,7 @@ def test_the_learning_experiment_gives_both_arms_the_same_budget_and_warm_start(
     assert (grpo["algorithm"].learning_rate, control["algorithm"].sft_learning_rate) == (1e-4, 1e-4)
     assert control["algorithm"].sft_val_every == 1000 and grpo["algorithm"].val_every == 20
     assert grpo["warmstart"] == control["warmstart"] and control["warmstart"].shared
-    assert grpo["algorithm"].lr_schedule == "constant"
+    assert grpo["algorithm"].lr_schedule == "constant_with_warmup" and grpo["algorithm"].lr_warmup_steps == 10
 
 
 def test_an_agent_and_data_of_different_kinds_fail_naming_both() -> None:

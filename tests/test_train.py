@@ -219,7 +219,15 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time
     grpo_dir, control_dir = tmp_path / "grpo", tmp_path / "control"
     # a budget spent by the first step: GRPO stops there (not at max_steps) and validates as at the end
     grpo = launch(
-        [*shared, "seed=1", "algorithm.max_steps=50", "algorithm.time_budget_s=0.01", f"hydra.run.dir={grpo_dir}"],
+        [
+            *shared,
+            "seed=1",
+            "algorithm.max_steps=50",
+            "algorithm.time_budget_s=0.01",
+            "algorithm.learning_rate=1e-4",
+            "algorithm.lr_warmup_steps=4",
+            f"hydra.run.dir={grpo_dir}",
+        ],
         cache_dir,
         tmp_path,
     )
@@ -248,7 +256,7 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time
 
     steps = metrics_of(grpo_dir)
     assert [m["step"] for m in steps] == [0, 1] and first["grpo"]["steps"] == 1
-    assert steps[-1]["train/learning_rate"] == steps[-1]["train/learning_rate"] > 0  # constant: no decay to 0
+    assert steps[-1]["train/learning_rate"] == 0  # the first step of a warm-up from 0 (transformers' schedule)
     assert "val/accuracy" in steps[-1] and first["grpo"]["train_s"] == steps[-1]["train/elapsed_s"]
 
     lines = metrics_of(control_dir)

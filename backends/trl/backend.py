@@ -338,6 +338,7 @@ class TRLBackend:
             report_to=[],
             bf16=device.startswith("cuda"),
             lr_scheduler_type=algo.lr_schedule,
+            warmup_steps=algo.lr_warmup_steps,
             gradient_checkpointing=self.gradient_checkpointing,
             use_cpu=device == "cpu",
             dataloader_num_workers=0,

@@ -117,7 +117,7 @@ def verl_overrides(
                 "target_modules": list(finetune.target_modules) if lora else "all-linear",
             },
             "actor": {
-                "optim": {"lr": algo.learning_rate},
+                "optim": {"lr": algo.learning_rate, "lr_warmup_steps": algo.lr_warmup_steps},
                 "ppo_mini_batch_size": algo.tasks_per_step,  # one optimizer step per training step, as backend=trl
                 "ppo_micro_batch_size_per_gpu": micro,
                 "use_kl_loss": algo.kl_coef > 0,
