@@ -52,6 +52,7 @@ class Rollout:
             "answer": self.trajectory.answer,
             "reward": self.reward,
             "turns": self.trajectory.turns,
+            "verdicts": self.trajectory.verdicts,
             "error": self.error,
             "failure": self.failure,
             "messages": self.trajectory.messages,

@@ -53,6 +53,7 @@ class _State(TypedDict):
     query: str | None
     result: str
     correct: bool
+    verdicts: list[bool]
     turns: int
     executions: int
     execution_errors: int
@@ -118,6 +119,7 @@ class SpiderSQLAgent:
             "query": None,
             "result": "",
             "correct": False,
+            "verdicts": [],
             "turns": 0,
             "executions": 0,
             "execution_errors": 0,
@@ -136,6 +138,7 @@ class SpiderSQLAgent:
             executions=state["executions"],
             execution_errors=state["execution_errors"],
             last_execution_ok=state["last_execution_ok"],
+            verdicts=state["verdicts"],
             error=error,
         )
 
@@ -177,7 +180,8 @@ class SpiderSQLAgent:
     async def _check_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
         user = self.check_prompt.format(query=state["query"] or "", result=state["result"])
         messages, reply = await self._ask(state, config, user, "check_query")
-        return {"messages": messages, "correct": check_says_correct(reply)}
+        correct = check_says_correct(reply)
+        return {"messages": messages, "correct": correct, "verdicts": [*state["verdicts"], correct]}
 
     def _after_check(self, state: _State) -> str:
         return END if state["correct"] or state["turns"] >= self.max_turns else "rewrite_query"

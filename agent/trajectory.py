@@ -19,6 +19,7 @@ class Trajectory:
     executions: int = 0
     execution_errors: int = 0
     last_execution_ok: bool = False
+    verdicts: list[bool] = field(default_factory=list)  # each check step's verdict, in order (True: "correct")
     error: str | None = None
     # For agents that write (DB-bench): the rows of the task's table when the rollout ended.
     db_state: list[list[Any]] | None = None

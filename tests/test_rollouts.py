@@ -17,11 +17,11 @@ import torch.multiprocessing as mp
 from datasets import Dataset
 
 from agent.llm import OpenAIChat
-from agent.rollout import run_rollouts
+from agent.rollout import Rollout, run_rollouts
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
 from backends.trl.backend import TRLBackend, _passthrough_reward
-from backends.trl.rollouts import AgentRollouts, task_prompt
+from backends.trl.rollouts import AgentRollouts, check_stats, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer, drop_nonfinite_gradients, importance_weights
 from experiments.ranks import free_port
 from inference.policy_server import PolicyServer
@@ -202,6 +202,24 @@ def test_rewards_reuse_their_threads_and_a_hung_one_holds_only_its_own(monkeypat
         assert len(ran_on) <= 8 + 1  # a thread per reward would be 79
     finally:
         release.set()
+
+
+def test_check_stats_say_how_often_the_check_accepts_and_how_often_wrongly() -> None:
+    def rollout(verdicts: list[bool], reward: float | None) -> Rollout:
+        return Rollout(task={}, trajectory=Trajectory(verdicts=verdicts), reward=reward, error=None)
+
+    rollouts = [
+        rollout([True], 1.0),  # accepted, right
+        rollout([True], 0.0),  # accepted, wrong
+        rollout([False, True], 0.0),  # rewritten, then a wrong query accepted
+        rollout([False, False], 1.0),  # rejected to the end (the turn limit)
+        rollout([True], None),  # no reward: not counted among the accepted
+    ]
+    assert check_stats(rollouts) == {
+        "rollout/check_said_correct_rate": 4 / 7,
+        "rollout/check_accepted_wrong_rate": 2 / 3,
+    }
+    assert check_stats([rollout([], 1.0)]) == {}  # an agent without a check step logs no check metrics
 
 
 def test_a_step_whose_gradient_is_not_finite_is_not_applied() -> None:

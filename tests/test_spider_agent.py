@@ -44,6 +44,7 @@ def test_correct_check_ends_after_one_turn(task: dict) -> None:
     chat = ScriptedChat([f"```sql\n{task['query']}\n```", "THE QUERY IS CORRECT"])
     trajectory = asyncio.run(agent.run(task, chat))
     assert trajectory.error is None and trajectory.turns == 1 and trajectory.final_sql == task["query"]
+    assert trajectory.verdicts == [True]
     assert [m["role"] for m in trajectory.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert "The query returned:" in trajectory.messages[3]["content"]
 
@@ -53,7 +54,7 @@ def test_incorrect_check_rewrites_until_max_turns(task: dict) -> None:
     replies = ["```sql\nSELECT nope\n```", "THE QUERY IS INCORRECT", "```sql\nSELECT 2\n```", "THE QUERY IS INCORRECT"]
     chat = ScriptedChat(replies)
     trajectory = asyncio.run(agent.run(task, chat))
-    assert trajectory.turns == 2 and trajectory.final_sql == "SELECT 2"
+    assert trajectory.turns == 2 and trajectory.final_sql == "SELECT 2" and trajectory.verdicts == [False, False]
     assert trajectory.executions == 2 and trajectory.execution_errors == 1
     assert "Error:" in chat.seen[1][-1]["content"]  # the failed query's error reached the model as tool text
 

@@ -46,7 +46,7 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # write + check at least: multi-turn samples
     # every training step says what was excluded and why, how exact the samples were, and the log-prob gap
     keys = {"rollout/excluded_rate", "rollout/discontinuous_rate", "train/sampling/logp_diff/mean"}
-    keys |= {"train/elapsed_s", "train/nonfinite_grad_steps"}
+    keys |= {"train/elapsed_s", "train/nonfinite_grad_steps", "rollout/check_said_correct_rate"}
     keys |= {f"rollout/excluded_{r}_rate" for r in ("agent_error", "reward_error", "inexact", "overflow")}
     keys |= {f"timing_s/{phase}" for phase in ("step", "weight_sync", "rollout", "reward_sum", "scoring", "update")}
     assert all(keys <= m.keys() for m in metrics[1:])

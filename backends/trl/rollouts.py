@@ -82,6 +82,20 @@ def excluded_sample(reason: str, pad_id: int) -> Sample:
     return Sample([pad_id], [pad_id], [0], [0.0], excluded=reason)
 
 
+def check_stats(rollouts: list[Rollout]) -> dict[str, float]:
+    """How an agent's check step judged (none when no rollout checked): the share of verdicts that said the query is
+    correct, and of the scored rollouts that ended on such a verdict, the share whose reward is below 1 (for a 0/1
+    reward such as exec-match: a wrong query accepted)."""
+    verdicts = [v for r in rollouts for v in r.trajectory.verdicts]
+    if not verdicts:
+        return {}
+    accepted = [r.reward for r in rollouts if r.trajectory.verdicts[-1:] == [True] and r.reward is not None]
+    return {
+        "rollout/check_said_correct_rate": sum(verdicts) / len(verdicts),
+        "rollout/check_accepted_wrong_rate": sum(reward < 1 for reward in accepted) / max(1, len(accepted)),
+    }
+
+
 def task_prompt(task: dict[str, Any]) -> str:
     """The dataset's `prompt` column: the task itself, which the rollout function hands to the agent."""
     return json.dumps(task, sort_keys=True)
@@ -149,6 +163,7 @@ class AgentRollouts:
                 for reason in EXCLUSION_REASONS
             },
             "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in trained) / max(1, len(trained)),
+            **check_stats(rollouts),
             # the phase's wall time (agents, their tool calls and rewards, overlapped), and the rewards' own time
             "timing_s/rollout": time.perf_counter() - start,
             "timing_s/weight_sync": weight_sync_s,  # the trainer's weights into the engine, before the rollouts
