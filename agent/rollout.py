@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -13,6 +14,8 @@ from typing import Any, Protocol
 
 from agent.llm import ChatModel
 from agent.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 REWARDS_AT_ONCE = 32  # rewards scored concurrently (each may wait on a judge model)
 
@@ -136,7 +139,11 @@ class _DaemonWorkers:
             result = job()
             with self._lock:  # free before `then` tells the caller: its next job finds this thread
                 self._idle += 1
-            then(result)
+            try:
+                then(result)
+            except Exception:  # counted free already: this thread must live on to take the job reserved for it
+                log.exception("a reward's result could not be handed back")
+            del job, then, result  # an idle worker holds nothing of the last rollout (its loop, task, trajectory)
             job, then = self._jobs.get()
 
 

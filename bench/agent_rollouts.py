@@ -102,9 +102,9 @@ def bench_server_class() -> type:
     """The policy server, with each rollout's calls asking for their drawn lengths and its sampled tokens counted."""
     from agent.llm import OpenAIChat
     from agent.spider_sql import CORRECT
-    from inference.policy_server import PolicyServer
+    from inference.policy_server import PolicyServer, ServerChat
 
-    class DrawnLengthChat(OpenAIChat):
+    class DrawnLengthChat(ServerChat):
         rollout: int = 0
         calls: int = 0
         seed: int = 0
@@ -125,7 +125,8 @@ def bench_server_class() -> type:
 
         def chat_model(self, rollout_id: str, sampling: dict[str, Any]) -> OpenAIChat:
             chat = super().chat_model(rollout_id, sampling)
-            drawn = DrawnLengthChat(client=chat.client, model=chat.model, sampling=dict(chat.sampling))
+            assert isinstance(chat, ServerChat)  # the in-process client training uses
+            drawn = DrawnLengthChat(chat.client, chat.model, dict(chat.sampling), chat.complete)
             drawn.rollout, drawn.seed = int(rollout_id.lstrip("r")), self.seed
             return drawn
 

@@ -3,12 +3,13 @@ the Spider SQL agent with the check step, up to 3 SQL turns, its SQLite tool and
 policy server, against an engine that answers at once with scripted replies. With generation free, this is the floor
 under a step's rollout time on any GPU: the event loop that runs the agents and the server, and the reward threads.
 
-Two variants, side by side in one process, on the same tasks, getting the same replies:
+Two variants, side by side in one process, on the same tasks, getting the same replies, taking turns to go first in
+a step (the first to meet a step's tasks pays for what is cold: the tokenizer's word cache, the gold results):
 - `wire`: every call through the OpenAI SDK, httpx and FastAPI (the server's HTTP route, in process through ASGI),
   and a thread started per reward: the loop as it was before `ServerChat` and the reward workers;
 - `direct`: `ServerChat.chat` calls the server in process, rewards run on reused worker threads: the loop now.
 
-    python bench/rollout_loop.py                          # 1 warm-up + 5 timed steps per variant, alternating
+    python bench/rollout_loop.py                          # 1 warm-up + 6 timed steps per variant, taking turns first
     python bench/rollout_loop.py --out bench/results/rollout_loop_cpu.json
 
 The scripted model, per task and call (the same for every variant: drawn from the question and the call's index):
@@ -41,6 +42,7 @@ from backends.trl.rollouts import run_on_server  # noqa: E402
 from backends.trl.sft import demonstration_texts  # noqa: E402
 from inference.engine import Completion  # noqa: E402
 from inference.policy_server import PolicyServer  # noqa: E402
+from rewards.exec_match import clear_gold_cache  # noqa: E402
 
 QUESTION = "Question: "
 
@@ -104,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=8, help="tasks per step")
     parser.add_argument("--group", type=int, default=16, help="rollouts per task")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after one warm-up each)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (after one warm-up each)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.mkdtemp()) / "cache")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -138,8 +140,10 @@ def main() -> None:
     rng = random.Random(0)
     for step in range(args.steps + 1):
         step_tasks = [t for t in rng.sample(tasks, args.tasks) for _ in range(args.group)]
-        for name, (chat_model, workers) in variants.items():
+        order = list(variants.items())
+        for name, (chat_model, workers) in order if step % 2 else order[::-1]:  # each goes first every other step
             server.chat_model, agent.rollout._REWARD_WORKERS = chat_model, workers  # type: ignore[method-assign]
+            clear_gold_cache()  # each variant scores the step's tasks from cold, as a run meeting new tasks does
             start = time.perf_counter()
             rollouts, records = run_on_server(
                 agent_, step_tasks, server, sampling, reward, lambda n: [f"r{next(counter)}" for _ in range(n)]

@@ -204,6 +204,24 @@ def test_rewards_reuse_their_threads_and_a_hung_one_holds_only_its_own(monkeypat
         release.set()
 
 
+def test_a_reward_worker_whose_hand_back_fails_lives_on_for_the_next_reward() -> None:
+    """The worker counts itself free before handing the result back; if that raises, it must still take the job the
+    count reserved for it (else that reward would wait forever)."""
+    from agent.rollout import _DaemonWorkers
+
+    workers = _DaemonWorkers()
+    raised, second = threading.Event(), threading.Event()
+
+    def fail(_result: Any) -> None:
+        raised.set()
+        raise ValueError("the caller is gone")
+
+    workers.submit(lambda: 1, fail)
+    assert raised.wait(timeout=10), "the first job's hand-back never ran"
+    workers.submit(lambda: 2, lambda result: second.set() if result == 2 else None)  # reuses that worker
+    assert second.wait(timeout=10), "the second job never ran: the worker died with a job reserved for it"
+
+
 def test_check_stats_say_how_often_the_check_accepts_and_how_often_wrongly() -> None:
     def rollout(verdicts: list[bool], reward: float | None) -> Rollout:
         return Rollout(task={}, trajectory=Trajectory(verdicts=verdicts), reward=reward, error=None)
@@ -220,6 +238,8 @@ def test_check_stats_say_how_often_the_check_accepts_and_how_often_wrongly() -> 
         "rollout/check_accepted_wrong_rate": 2 / 3,
     }
     assert check_stats([rollout([], 1.0)]) == {}  # an agent without a check step logs no check metrics
+    # a check that accepted nothing has no accepted-wrong rate (not 0: it was never tested)
+    assert check_stats([rollout([False, False], 0.0)]) == {"rollout/check_said_correct_rate": 0.0}
 
 
 def test_a_step_whose_gradient_is_not_finite_is_not_applied() -> None:

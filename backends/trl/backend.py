@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -485,7 +486,8 @@ class _StepLog(TrainerCallback):
         self.train_s += time.perf_counter() - self._step_start
         if world_size() > 1:  # every rank's rollout stats, averaged (a collective: every rank is here)
             shares = gather_object([self.rollouts.last_stats])
-            self.stats = {k: sum(s[k] for s in shares) / len(shares) for k in shares[0]}
+            keys = dict.fromkeys(k for share in shares for k in share)  # a rank may lack one (no check verdicts)
+            self.stats = {k: statistics.mean(s[k] for s in shares if k in s) for k in keys}
         else:
             self.stats = self.rollouts.last_stats
         step, budget = state.global_step, self.setup.algorithm.time_budget_s

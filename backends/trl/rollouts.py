@@ -83,17 +83,17 @@ def excluded_sample(reason: str, pad_id: int) -> Sample:
 
 
 def check_stats(rollouts: list[Rollout]) -> dict[str, float]:
-    """How an agent's check step judged (none when no rollout checked): the share of verdicts that said the query is
-    correct, and of the scored rollouts that ended on such a verdict, the share whose reward is below 1 (for a 0/1
-    reward such as exec-match: a wrong query accepted)."""
+    """How an agent's check step judged (nothing when no rollout checked): the share of verdicts that said the query
+    is correct, and of the scored rollouts that ended on such a verdict (when any did), the share whose reward is
+    below 1 (for a 0/1 reward such as exec-match: a wrong query accepted)."""
     verdicts = [v for r in rollouts for v in r.trajectory.verdicts]
     if not verdicts:
         return {}
     accepted = [r.reward for r in rollouts if r.trajectory.verdicts[-1:] == [True] and r.reward is not None]
-    return {
-        "rollout/check_said_correct_rate": sum(verdicts) / len(verdicts),
-        "rollout/check_accepted_wrong_rate": sum(reward < 1 for reward in accepted) / max(1, len(accepted)),
-    }
+    stats = {"rollout/check_said_correct_rate": sum(verdicts) / len(verdicts)}
+    if accepted:  # else undefined, not 0: a check that accepts nothing is not a check that is never wrong
+        stats["rollout/check_accepted_wrong_rate"] = sum(reward < 1 for reward in accepted) / len(accepted)
+    return stats
 
 
 def task_prompt(task: dict[str, Any]) -> str:
