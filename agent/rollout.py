@@ -173,6 +173,9 @@ def _in_thread(reward: Reward, task: dict[str, Any], trajectory: Trajectory) -> 
     return future
 
 
+SUBSET = "subset"  # a task's subset of its split (data/spider.py `val_subset_field`): validation is scored per subset
+
+
 @dataclass
 class EvalSummary:
     """`accuracy` is the mean score over the rollouts that have one; `missing` counts those that do not."""
@@ -196,6 +199,16 @@ class EvalSummary:
             mean_turns=sum(r.trajectory.turns for r in rollouts) / n if n else 0.0,
             wall_s=wall_s,
         )
+
+    @classmethod
+    def per_subset(cls, rollouts: Sequence[Rollout], wall_s: float) -> dict[str, EvalSummary]:
+        """One summary per value of the tasks' `SUBSET` (those without one are in none), sorted by value; `wall_s` is
+        the whole evaluation's (its rollouts ran together)."""
+        groups: dict[str, list[Rollout]] = {}
+        for r in rollouts:
+            if SUBSET in r.task:
+                groups.setdefault(r.task[SUBSET], []).append(r)
+        return {name: cls.of(groups[name], wall_s) for name in sorted(groups)}
 
 
 async def evaluate(

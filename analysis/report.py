@@ -37,6 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 ACCURACY_METRICS = {"val_initial", "val_final", "val_best"}  # fractions, shown as percentages
+SUBSET_SEP = ":"  # `val_final:entity`: the final validation accuracy on one subset (logged as val/entity/accuracy)
 METRICS = {
     "val_final": "validation accuracy at the last step",
     "val_best": "best validation accuracy over steps",
@@ -69,11 +70,19 @@ def factor_keys(runs: list[Run]) -> list[str]:
     return [k for k in keys if len({repr(run.value(k)) for run in runs}) > 1]
 
 
+def final_subsets(run: Run) -> dict[str, float]:
+    """The last validation's accuracy per subset of the validation split (`val/<subset>/accuracy`)."""
+    last = next((m for m in reversed(run.metrics) if m.get("val/accuracy") is not None), {})
+    parts = (k.split("/") for k in last)
+    return {p[1]: last["/".join(p)] for p in parts if len(p) == 3 and p[0] == "val" and p[2] == "accuracy"}
+
+
 def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
-    """One row per run: factors, seed, status, metrics, cost."""
+    """One row per run: factors, seed, status, metrics, cost; and the final accuracy per validation subset."""
     rows = []
     for run in runs:
         val = [m["val/accuracy"] for m in run.metrics if m.get("val/accuracy") is not None]
+        subsets = {f"val_final{SUBSET_SEP}{name}": acc for name, acc in final_subsets(run).items()}
         wall_s = run.summary.get("wall_s")
         gpus = gpus_of(run)
         rows.append(
@@ -96,14 +105,24 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "tokens": _last(run.metrics, "train/num_tokens"),
                 "error": (run.error or "").splitlines()[0] if run.error else None,
                 "overrides": " ".join(run.overrides),
+                **subsets,
             }
         )
     table = pd.DataFrame(rows)
     numeric = ["val_initial", "val_final", "val_best", "reward_final", "steps", "wall_s", "gpus", "gpu_hours", "tokens"]
-    numeric.append("train_gpu_s")
+    numeric += ["train_gpu_s", *subset_metrics(table)]
     table[numeric] = table[numeric].apply(pd.to_numeric)
     # controls first: the first value of a factor is its baseline, and a control is its factor's baseline
     return table.sort_values("arm", key=lambda arm: arm != CONTROL_ARM, kind="stable").reset_index(drop=True)
+
+
+def subset_metrics(table: pd.DataFrame) -> list[str]:
+    """The table's per-subset accuracy columns (`val_final:<subset>`), in the order they first appear."""
+    return [c for c in table.columns if c.startswith(f"val_final{SUBSET_SEP}")]
+
+
+def is_accuracy(metric: str) -> bool:
+    return metric.split(SUBSET_SEP)[0] in ACCURACY_METRICS
 
 
 def _train_gpu_s(run: Run, gpus: int | None) -> float | None:
@@ -152,7 +171,7 @@ def difference(base: pd.Series, other: pd.Series) -> tuple[float, float | None, 
 def _fmt(value: float | None, metric: str, signed: bool = False) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
-    scale, digits = (100, 1) if metric in ACCURACY_METRICS else (1, 3)
+    scale, digits = (100, 1) if is_accuracy(metric) else (1, 3)
     return f"{value * scale:{'+' if signed else ''}.{digits}f}"
 
 
@@ -185,7 +204,7 @@ def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
         total = len(_in_cell(table, factors, cell))
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
-        for metric in ("val_initial", "val_final", "val_best", "reward_final"):
+        for metric in ("val_initial", "val_final", "val_best", "reward_final", *subset_metrics(table)):
             row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
         row["wall_h/run"] = _fmt_num(runs.wall_s.mean() / 3600)
         row["gpu_h/run"] = _fmt_num(runs.gpu_hours.mean())
@@ -332,7 +351,7 @@ def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path
         cost, unit, per = "gpu_hours", "GPU-hours per run", 1
     else:
         cost, unit, per = "wall_s", "wall-clock hours per run", 3600
-    scale = 100 if metric in ACCURACY_METRICS else 1
+    scale = 100 if is_accuracy(metric) else 1
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
@@ -359,6 +378,7 @@ class Report:
     problems: pd.DataFrame
     metric: str
     verdicts: list[str]
+    subset_verdicts: list[str]  # the final accuracy's verdicts again, on each validation subset
 
 
 def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]]:
@@ -367,7 +387,13 @@ def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
     per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
     verdicts = control_verdicts(table, factors, metric)
-    return Report(table, cell_table(table, factors), per_factor, problems, metric, verdicts), factors
+    by_subset = [
+        f"`{column.split(SUBSET_SEP)[1]}` questions: {line}"
+        for column in (subset_metrics(table) if metric == "val_final" else [])
+        for line in control_verdicts(table, factors, column)
+    ]
+    cells = cell_table(table, factors)
+    return Report(table, cells, per_factor, problems, metric, verdicts, by_subset), factors
 
 
 def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.DataFrame | None]]:
@@ -377,7 +403,7 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     intro = (
         f"Sources: {', '.join(sources)}. {len(report.runs)} runs: {done} completed, {len(report.problems)} failed, "
         f"unfinished or not started (listed at the end, left out of every number). Metric: {METRICS[metric]} "
-        f"(`{metric}`{', percent' if metric in ACCURACY_METRICS else ''}). Cells show mean ± 95% confidence "
+        f"(`{metric}`{', percent' if is_accuracy(metric) else ''}). Cells show mean ± 95% confidence "
         "interval over seeds (t distribution); a cell with one seed has no error bar."
     )
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
@@ -386,7 +412,11 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
             "Each treatment against its control (a run with `arm: sft_control`: the warm start's SFT continued for "
             "the same training time), over seeds; Δ = treatment - control, 95% CI from Welch's t-test.\n\n"
         )
-        out.append(("Treatment against control", text + "\n".join(f"- {v}" for v in report.verdicts), None))
+        text += "\n".join(f"- {v}" for v in report.verdicts)
+        if report.subset_verdicts:
+            text += "\n\nThe same on each subset of the validation questions (`data.val_subset_field`):\n\n"
+            text += "\n".join(f"- {v}" for v in report.subset_verdicts)
+        out.append(("Treatment against control", text, None))
     cells = (
         "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
         "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."

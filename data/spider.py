@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from agent.rollout import SUBSET
 from data import spider_mini
 from foundation.schema import number
 from rewards.exec_match import ExecMatch
@@ -26,8 +27,9 @@ SPLIT_FILES = {
 }
 
 
-def load_split(spider_dir: str | Path, split: str) -> list[dict[str, Any]]:
-    """Tasks of one split: `id`, `question`, `db_id`, `query` (gold) and `db_path`.
+def load_split(spider_dir: str | Path, split: str, subset_field: str | None = None) -> list[dict[str, Any]]:
+    """Tasks of one split: `id`, `question`, `db_id`, `query` (gold) and `db_path`; and `subset`, the record's
+    `subset_field` as text, where it has one (validation reports accuracy per subset).
 
     `split` is `train`, `dev`, or a file name inside `spider_dir`.
     """
@@ -43,15 +45,16 @@ def load_split(spider_dir: str | Path, split: str) -> list[dict[str, Any]]:
     tasks = []
     for i, record in enumerate(records):
         db_id = record["db_id"]
-        tasks.append(
-            {
-                "id": f"{split}-{i}",
-                "question": record["question"],
-                "db_id": db_id,
-                "query": record["query"],
-                "db_path": str(root / "database" / db_id / f"{db_id}.sqlite"),
-            }
-        )
+        task = {
+            "id": f"{split}-{i}",
+            "question": record["question"],
+            "db_id": db_id,
+            "query": record["query"],
+            "db_path": str(root / "database" / db_id / f"{db_id}.sqlite"),
+        }
+        if subset_field is not None and record.get(subset_field) is not None:
+            task[SUBSET] = str(record[subset_field])
+        tasks.append(task)
     return tasks
 
 
@@ -67,6 +70,7 @@ class SpiderData:
     val_split: str = "dev"
     val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
     generate: dict[str, int] | None = None
+    val_subset_field: str | None = None  # a field of the validation records: accuracy is also reported per value
 
     def __post_init__(self) -> None:
         if not self.spider_dir:
@@ -88,5 +92,5 @@ class SpiderData:
         return load_split(self.prepare(), self.train_split)
 
     def val_tasks(self) -> list[dict[str, Any]]:
-        tasks = load_split(self.prepare(), self.val_split)
+        tasks = load_split(self.prepare(), self.val_split, self.val_subset_field)
         return tasks[: self.val_limit] if self.val_limit else tasks

@@ -2,7 +2,7 @@
 
 Layout written into ``out_dir``::
 
-    train_spider.json, dev.json        # [{"db_id", "question", "query"}, ...]
+    train_spider.json, dev.json        # [{"db_id", "question", "query"}, ...]; dev's also "held_out" (below)
     tables.json                        # Spider-style schema descriptions
     database/<db_id>/<db_id>.sqlite
     database/<db_id>/schema.sql        # the CREATE TABLE statements used to build the db
@@ -11,7 +11,10 @@ Layout written into ``out_dir``::
 Three databases (school, shop, zoo), each a 30-row main table and a 45-row child table with a foreign key to it,
 and 21 question templates in Spider's SQL style. The dev split holds out ~20% of each database's entity names,
 ~1/4 of the (database, template, column) combinations and ~1/4 of the numeric thresholds, so dev questions are
-about things the train split never mentions where possible.
+about things the train split never mentions where possible. Each dev question says what it holds out
+(``held_out``): ``combination`` (a template asked of a column no train question asks it of), ``entity`` (a trained
+combination, about an entity no train question names) or ``value`` (a trained combination, with a threshold or count
+no train question uses).
 
 Usage: ``python -m data.spider_mini OUT_DIR [--seed S --n-train N --n-dev M]``.
 """
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: dev questions say what they hold out
 
 N_MAIN_ROWS = 30
 N_CHILD_ROWS = 45
@@ -39,6 +42,8 @@ DEV_COMBO_FRACTION = 0.25
 DEV_THRESHOLD_FRACTION = 0.25
 MAX_THRESHOLDS = 60
 MAX_PAIRS_PER_COMBO = 100  # caps the BETWEEN template, which would otherwise dominate the pool
+# what a dev question holds out (its "held_out" field), from the hardest for a model to the easiest
+HELD_OUT_COMBINATION, HELD_OUT_ENTITY, HELD_OUT_VALUE = "combination", "entity", "value"
 
 _META_FILE = "_meta.json"
 _JSON_FILES = ("train_spider.json", "dev.json", "tables.json")
@@ -645,15 +650,19 @@ def _build_pools(
                     params = k_split
                 else:  # pragma: no cover
                     raise ValueError(kind)
+                held_out = {"name": HELD_OUT_ENTITY}.get(kind, HELD_OUT_VALUE)
                 if combo in held:  # a held-out combination: every parameter goes to dev
-                    params = ([], params[0] + params[1])
+                    params, held_out = ([], params[0] + params[1]), HELD_OUT_COMBINATION
                 for split_params, pool in ((params[0], train_pool), (params[1], dev_pool)):
                     for p in split_params:
                         question, query = fn(spec, col, p)
                         rows = conn.execute(query).fetchall()
                         if _is_empty(rows) and not query.startswith("SELECT COUNT("):
                             continue
-                        pool.setdefault(combo, []).append({"db_id": spec.db_id, "question": question, "query": query})
+                        record = {"db_id": spec.db_id, "question": question, "query": query}
+                        if pool is dev_pool:
+                            record["held_out"] = held_out
+                        pool.setdefault(combo, []).append(record)
         return train_pool, dev_pool
     finally:
         conn.close()

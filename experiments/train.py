@@ -96,6 +96,13 @@ def describe(summary: dict[str, Any]) -> str:
         verdict = "beyond noise" if low > 0 or high < 0 else verdict
 
         lines.append(f"  difference                   {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
+    subsets = (after or before or {}).get("subsets") or {}
+    if subsets:
+        lines.append("  per subset (data.val_subset_field), " + " -> ".join(label for label, val in rows if val) + ":")
+    for name in subsets:
+        of_rows = [val["subsets"][name] for _, val in rows if name in (val or {}).get("subsets", {})]
+        accuracies = [f"{of_subset['accuracy']:.2f}" for of_subset in of_rows]
+        lines.append(f"    {name:<26} {' -> '.join(accuracies)}  (n={subsets[name]['n']})")
     rewards = summary.get("reward_per_step") or []
     known = [r for r in rewards if r is not None]
     if known:

@@ -214,9 +214,10 @@ def test_a_wandb_project_reads_like_run_directories() -> None:
     assert list(built.problems.run) == ["agent.max_turns=3,seed=1"]
 
 
-def write_arm(path: Path, arm: str, seed: int, val_final: float) -> None:
+def write_arm(path: Path, arm: str, seed: int, val_final: float, subsets: dict[str, float] | None = None) -> None:
     """A run of experiment=learn_gpu as the TRL backend writes it: validation after the warm start (step 0, no
-    training seconds), then steps with `train/elapsed_s`; the control logs no reward."""
+    training seconds), then steps with `train/elapsed_s`; the control logs no reward. `subsets`: the last
+    validation's accuracy per subset of the validation split."""
     overrides = [f"algorithm={arm}", f"seed={seed}"]
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
@@ -227,6 +228,8 @@ def write_arm(path: Path, arm: str, seed: int, val_final: float) -> None:
     for step, elapsed in ((10, 90.0), (20, 181.0)):
         line: dict[str, Any] = {"step": step, "train/elapsed_s": elapsed}
         line |= {"val/accuracy": val_final if step == 20 else 0.52}
+        line |= {f"val/{k}/accuracy": v for k, v in (subsets or {}).items() if step == 20}
+        line |= {f"val/{k}/n": 100 for k in (subsets or {}) if step == 20}
         line |= {"train/reward_mean": 0.4} if arm == "grpo" else {"sft/loss": 0.1}
         lines.append(line)
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
@@ -267,6 +270,26 @@ def test_a_treatment_is_judged_against_its_control(
     assert [(r["algorithm"], r["Δ vs baseline"]) for r in rows] == expected_rows
     assert (out / "curves.png").stat().st_size > 0
     assert line_with(out_tables(md)["All cells"], "grpo").count("181") == 1
+
+
+def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> None:
+    """Inside noise on all questions, beyond noise on one subset: the report says both, subset by subset."""
+    sweep = tmp_path / "learning"
+    runs = [("grpo", 0.50, 0.30), ("grpo", 0.56, 0.32), ("grpo", 0.62, 0.31)]
+    runs += [("sft_control", 0.53, 0.10), ("sft_control", 0.55, 0.11), ("sft_control", 0.57, 0.12)]
+    for num, (arm, val, entity) in enumerate(runs):
+        write_arm(sweep / str(num), arm, num % 3, val, {"combination": 0.05, "entity": entity})
+    md = (report.main([str(sweep)]) / "report.md").read_text()
+    lines = [line for line in out_tables(md)["Treatment against control"].splitlines() if line.startswith("- ")]
+    assert (
+        len(lines) == 3 and lines[0].startswith("- algorithm=grpo against the control: 56.0") and "inside" in lines[0]
+    )
+    assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
+    assert lines[1].endswith(": **inside noise**. Training GPU-seconds per run: 181 vs 181.")
+    assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
+    assert "Δ +20.0 [" in lines[2] and "**better than the control, beyond noise**" in lines[2]
+    cells = table_rows(out_tables(md)["All cells"])
+    assert [r["val_final:entity"] for r in cells] == ["11.0 ± 2.5", "31.0 ± 2.5"]
 
 
 def test_no_control_no_verdict_section(sweeps: tuple[Path, Path]) -> None:

@@ -42,3 +42,19 @@ def test_a_small_difference_on_100_questions_is_inside_noise() -> None:
 
 def test_a_large_difference_is_beyond_noise() -> None:
     assert "beyond noise" in describe(summary(0.30, 0.60, [0.1]))
+
+
+def test_accuracy_per_subset_before_and_after() -> None:
+    runs = summary(0.41, 0.45, [0.1])
+    runs["val_after_sft"]["subsets"] = {
+        "combination": {"accuracy": 0.05, "n": 20},
+        "entity": {"accuracy": 0.5, "n": 80},
+    }
+    runs["val_final"]["subsets"] = {"combination": {"accuracy": 0.1, "n": 20}, "entity": {"accuracy": 0.53, "n": 80}}
+    lines = describe(runs).splitlines()
+    at = lines.index("  per subset (data.val_subset_field), after SFT -> after GRPO:")
+    assert lines[at + 1 : at + 3] == [
+        "    combination                0.05 -> 0.10  (n=20)",
+        "    entity                     0.50 -> 0.53  (n=80)",
+    ]
+    assert "per subset" not in describe(summary(0.41, 0.45, [0.1]))  # a split without subsets: no such lines

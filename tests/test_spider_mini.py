@@ -102,3 +102,25 @@ def test_dev_is_held_out(dataset: Path) -> None:
     named = [m.group(1) for r in dev if (m := re.search(r"named (.+)\?$", r["question"]))]
     unseen = [name for name in named if name not in train_text]
     assert unseen, "expected some dev questions about entities never mentioned in train"
+
+
+def test_dev_questions_say_what_they_hold_out(dataset: Path) -> None:
+    train, dev = _load(dataset, "train_spider.json"), _load(dataset, "dev.json")
+    meta = json.loads((dataset / "_meta.json").read_text())
+    assert all("held_out" not in r for r in train)
+    kinds = {r["held_out"] for r in dev}
+    assert kinds == {spider_mini.HELD_OUT_COMBINATION, spider_mini.HELD_OUT_ENTITY, spider_mini.HELD_OUT_VALUE}
+    # a held-out combination's SQL shape (its query with the numbers blanked) is asked of no train question's column
+    train_shapes = {re.sub(r"\d+(\.\d+)?|'[^']*'", "?", r["query"]) for r in train}
+    combination = [r for r in dev if r["held_out"] == spider_mini.HELD_OUT_COMBINATION]
+    assert combination and meta["held_out_combos"]
+    assert sum(re.sub(r"\d+(\.\d+)?|'[^']*'", "?", r["query"]) not in train_shapes for r in combination) > 0.9 * len(
+        combination
+    )
+    # an entity question names someone no train question names; a trained combination's shape is a train shape
+    for r in dev:
+        if r["held_out"] == spider_mini.HELD_OUT_ENTITY:
+            name = re.search(r"'([^']*)'", r["query"]).group(1)
+            assert name not in "\n".join(t["query"] for t in train), r
+        elif r["held_out"] == spider_mini.HELD_OUT_VALUE:
+            assert re.sub(r"\d+(\.\d+)?|'[^']*'", "?", r["query"]) in train_shapes, r

@@ -42,6 +42,12 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     metrics = metrics_of(run_dir)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     assert "val/accuracy" in metrics[0] and "val/accuracy" in metrics[-1]
+    # spider_mini's dev questions say what they hold out: validation is also scored per subset
+    for m in (metrics[0], metrics[-1]):
+        subsets = {k.split("/")[1] for k in m if k.startswith("val/") and k.endswith("/accuracy") and k.count("/") == 2}
+        assert subsets and subsets <= {"combination", "entity", "value"}
+        assert sum(m[f"val/{s}/n"] for s in subsets) == m["val/n"]
+    assert summary["val_final"]["subsets"].keys() == subsets and "per subset" in result.stdout
     assert all("train/reward_mean" in m and "rollout/turns_mean" in m for m in metrics[1:])
     assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # write + check at least: multi-turn samples
     # every training step says what was excluded and why, how exact the samples were, and the log-prob gap

@@ -31,6 +31,7 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig
 
+from agent.rollout import EvalSummary
 from backends.algorithm import GRPO, SFTControl
 from backends.setup import TrainSetup
 from backends.trl.fsdp import SHARDINGS, fsdp_arguments
@@ -150,9 +151,13 @@ class TRLBackend:
             )
             server.engine.release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
-            results[f"val_{name}"] = vars(summary)
+            subsets = EvalSummary.per_subset(rollouts, summary.wall_s)
+            results[f"val_{name}"] = vars(summary) | {"subsets": {k: vars(v) for k, v in subsets.items()}}
             run.phase = phase
-            return {f"val/{k}": v for k, v in vars(summary).items()}
+            metrics = {f"val/{k}": v for k, v in vars(summary).items()}
+            for subset, of_subset in subsets.items():
+                metrics |= {f"val/{subset}/accuracy": of_subset.accuracy, f"val/{subset}/n": of_subset.n}
+            return metrics
 
         max_length = algo.max_prompt_length + algo.max_response_length
         use_bf16 = device.startswith("cuda")
