@@ -282,10 +282,10 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str) -> li
             else:
                 verdict = f"{'better' if diff > 0 else 'worse'} than the control, beyond noise"
             ci = f" [{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else ""
+            treated, base = Estimate.of(runs[metric]), Estimate.of(control[metric])  # n: runs that have `metric`
             lines.append(
                 f"{_label(arm_factors, cell)} against the control{where}: "
-                f"{_fmt_estimate(Estimate.of(runs[metric]), metric)} (n={len(runs)}) vs "
-                f"{_fmt_estimate(Estimate.of(control[metric]), metric)} (n={len(control)}); "
+                f"{_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(base, metric)} (n={base.n}); "
                 f"Δ {_fmt(diff, metric, True)}{ci}: **{verdict}**. Training GPU-seconds per run: "
                 f"{_fmt_num(runs.train_gpu_s.mean(), 0)} vs {_fmt_num(control.train_gpu_s.mean(), 0)}."
             )

@@ -279,11 +279,16 @@ def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> 
     runs += [("sft_control", 0.53, 0.10), ("sft_control", 0.55, 0.11), ("sft_control", 0.57, 0.12)]
     for num, (arm, val, entity) in enumerate(runs):
         write_arm(sweep / str(num), arm, num % 3, val, {"combination": 0.05, "entity": entity})
-    md = (report.main([str(sweep)]) / "report.md").read_text()
+    # runs from before subsets were logged count in the overall verdict, not in the subsets' ones
+    write_arm(tmp_path / "older" / "0", "grpo", 3, 0.56)
+    write_arm(tmp_path / "older" / "1", "sft_control", 3, 0.55)
+    md = (
+        report.main([str(sweep), str(tmp_path / "older"), "--out", str(tmp_path / "report")]) / "report.md"
+    ).read_text()
     lines = [line for line in out_tables(md)["Treatment against control"].splitlines() if line.startswith("- ")]
-    assert (
-        len(lines) == 3 and lines[0].startswith("- algorithm=grpo against the control: 56.0") and "inside" in lines[0]
-    )
+    assert len(lines) == 3 and lines[0].startswith("- algorithm=grpo against the control: 56.0 ± ")
+    assert "(n=4) vs 55.0 ± " in lines[0] and "inside noise" in lines[0]
+    assert lines[1].count("(n=3)") == lines[2].count("(n=3)") == 2
     assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
     assert lines[1].endswith(": **inside noise**. Training GPU-seconds per run: 181 vs 181.")
     assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
