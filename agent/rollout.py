@@ -31,6 +31,9 @@ Reward = Callable[[dict[str, Any], Trajectory], float | None]
 AGENT_ERROR, REWARD_ERROR = "agent_error", "reward_error"
 
 
+SUBSET = "subset"  # a task's subset of its split (data/spider.py `val_subset_field`): validation is scored per subset
+
+
 @dataclass
 class Rollout:
     """A task, what the agent did with it, and the score it got. `failure` says why the rollout cannot be trained on:
@@ -50,6 +53,7 @@ class Rollout:
             "id": self.task.get("id"),
             "question": self.task.get("question"),
             "db_id": self.task.get("db_id"),
+            SUBSET: self.task.get(SUBSET),
             "gold": self.task.get("query"),
             "final_sql": self.trajectory.final_sql,
             "answer": self.trajectory.answer,
@@ -171,9 +175,6 @@ def _in_thread(reward: Reward, task: dict[str, Any], trajectory: Trajectory) -> 
 
     _REWARD_WORKERS.submit(work, then)
     return future
-
-
-SUBSET = "subset"  # a task's subset of its split (data/spider.py `val_subset_field`): validation is scored per subset
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """job=eval: the agent over the validation split against any OpenAI-compatible endpoint.
 
-Writes `eval/summary.json` (accuracy, n, errors, mean_turns, wall_s) and `eval/records.jsonl` (one line per task).
+Writes `eval/summary.json` (accuracy, n, errors, mean_turns, wall_s; and the same per subset of the split where its
+tasks have one, `data.val_subset_field`) and `eval/records.jsonl` (one line per task).
 A rollout that fails is recorded with its error and reward 0; the others go on.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from agent.rollout import evaluate
+from agent.rollout import EvalSummary, evaluate
 from experiments.config import build_components
 from foundation.run_dir import RunDir
 
@@ -27,10 +28,12 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     summary, rollouts = asyncio.run(
         evaluate(parts["agent"], tasks, lambda i: chats[i], data.metric(), concurrency=endpoint.concurrency)
     )
+    subsets = EvalSummary.per_subset(rollouts, summary.wall_s)
+    scores = asdict(summary) | ({"subsets": {k: asdict(v) for k, v in subsets.items()}} if subsets else {})
     out = run_dir.path / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(asdict(summary), indent=2), encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(scores, indent=2), encoding="utf-8")
     with (out / "records.jsonl").open("w", encoding="utf-8") as f:
         for rollout in rollouts:
             f.write(json.dumps(rollout.record(), ensure_ascii=False) + "\n")
-    return {"eval": asdict(summary), "endpoint": {"base_url": endpoint.base_url, "model": model}}
+    return {"eval": scores, "endpoint": {"base_url": endpoint.base_url, "model": model}}

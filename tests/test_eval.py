@@ -53,7 +53,9 @@ def server(spider_mini_dir: Path) -> Iterator[str]:
 
 
 @pytest.mark.integration
-def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cache_dir: Path, tmp_path: Path) -> None:
+def test_eval_scores_every_task_and_keeps_going_past_a_failure(
+    server: str, spider_mini_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     args = ["job=eval", *FAST_RUN, f"endpoint.base_url={server}", "endpoint.concurrency=3"]
     result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
@@ -62,6 +64,11 @@ def test_eval_scores_every_task_and_keeps_going_past_a_failure(server: str, cach
     records = [json.loads(line) for line in (run_dir / "eval" / "records.jsonl").read_text().splitlines()]
     assert summary["n"] == len(records) == 8 and summary["errors"] == 1
     assert summary["accuracy"] == pytest.approx(7 / 8)
+    # spider_mini's dev questions say what they hold out: scored per subset too, each record names its subset
+    assert sum(s["n"] for s in summary["subsets"].values()) == 8
+    assert [r["subset"] for r in records] == [
+        t["held_out"] for t in json.loads((spider_mini_dir / "dev.json").read_text())
+    ]
     failed = records[FAILING_QUESTION_INDEX]
     assert failed["reward"] == 0.0 and "500" in failed["error"]
     assert all(r["reward"] == 1.0 for i, r in enumerate(records) if i != FAILING_QUESTION_INDEX)
