@@ -53,7 +53,6 @@ class Rollout:
             "id": self.task.get("id"),
             "question": self.task.get("question"),
             "db_id": self.task.get("db_id"),
-            SUBSET: self.task.get(SUBSET),
             "gold": self.task.get("query"),
             "final_sql": self.trajectory.final_sql,
             "answer": self.trajectory.answer,
@@ -63,7 +62,7 @@ class Rollout:
             "error": self.error,
             "failure": self.failure,
             "messages": self.trajectory.messages,
-        }
+        } | ({SUBSET: self.task[SUBSET]} if SUBSET in self.task else {})
 
 
 async def run_rollouts(
@@ -202,14 +201,15 @@ class EvalSummary:
         )
 
     @classmethod
-    def per_subset(cls, rollouts: Sequence[Rollout], wall_s: float) -> dict[str, EvalSummary]:
-        """One summary per value of the tasks' `SUBSET` (those without one are in none), sorted by value; `wall_s` is
-        the whole evaluation's (its rollouts ran together)."""
+    def per_subset(cls, rollouts: Sequence[Rollout]) -> dict[str, dict[str, float]]:
+        """The summary's scores (no `wall_s`: the subsets ran together) per value of the tasks' `SUBSET`, sorted by
+        value; a task without one is in none. Empty when no task has one."""
         groups: dict[str, list[Rollout]] = {}
         for r in rollouts:
             if SUBSET in r.task:
                 groups.setdefault(r.task[SUBSET], []).append(r)
-        return {name: cls.of(groups[name], wall_s) for name in sorted(groups)}
+        scores = {name: vars(cls.of(groups[name], 0.0)) for name in sorted(groups)}
+        return {name: {k: v for k, v in of.items() if k != "wall_s"} for name, of in scores.items()}
 
 
 async def evaluate(

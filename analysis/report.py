@@ -154,8 +154,10 @@ class Estimate:
         return cls(float(x.mean()), half, n)
 
 
-def difference(base: pd.Series, other: pd.Series) -> tuple[float, float | None, float | None, float | None, str]:
-    """other - base: the difference of means, its 95% CI (Welch), the p-value and the noise flag."""
+def difference(
+    base: pd.Series, other: pd.Series, level: float = 0.95
+) -> tuple[float, float | None, float | None, float | None, str]:
+    """other - base: the difference of means, its CI at `level` (Welch), the p-value and the noise flag."""
     a, b = base.dropna().to_numpy(dtype=float), other.dropna().to_numpy(dtype=float)
     diff = float(b.mean() - a.mean())
     if len(a) < 2 or len(b) < 2:
@@ -163,7 +165,7 @@ def difference(base: pd.Series, other: pd.Series) -> tuple[float, float | None, 
     if a.std(ddof=1) == 0 and b.std(ddof=1) == 0:  # no seed variance at all: the t-test is undefined
         return diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE
     test = stats.ttest_ind(b, a, equal_var=False)
-    ci = test.confidence_interval(0.95)
+    ci = test.confidence_interval(level)
     low, high = float(ci.low), float(ci.high)
     return diff, low, high, float(test.pvalue), WITHIN_NOISE if low <= 0 <= high else BEYOND_NOISE
 
@@ -205,7 +207,10 @@ def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
         for metric in ("val_initial", "val_final", "val_best", "reward_final", *subset_metrics(table)):
-            row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
+            estimate = Estimate.of(runs[metric])
+            row[metric] = _fmt_estimate(estimate, metric)
+            if metric in subset_metrics(table) and 0 < estimate.n < len(runs):  # not every run logs subsets
+                row[metric] += f" (n={estimate.n})"
         row["wall_h/run"] = _fmt_num(runs.wall_s.mean() / 3600)
         row["gpu_h/run"] = _fmt_num(runs.gpu_hours.mean())
         row["train_gpu_s/run"] = _fmt_num(runs.train_gpu_s.mean(), 0)
@@ -252,9 +257,9 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
     return pd.DataFrame(rows)
 
 
-def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str) -> list[str]:
+def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[str]:
     """One line per treatment cell against the control run with the same other factors: both means ± 95% CI, the
-    difference with its CI (Welch), and better / worse / inside noise."""
+    difference with its CI at `level` (Welch), and better / worse / inside noise (that CI against 0)."""
     done = table[table.status == COMPLETED]
     controls, treatments = done[done.arm == CONTROL_ARM], done[done.arm != CONTROL_ARM]
     if controls.empty or treatments.empty:
@@ -272,7 +277,7 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str) -> li
             continue
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
-            diff, low, high, _, flag = difference(control[metric], runs[metric])
+            diff, low, high, _, flag = difference(control[metric], runs[metric], level)
             if control[metric].isna().all() or runs[metric].isna().all():
                 verdict = f"no verdict (an arm has no `{metric}`)"
             elif flag == NO_ERROR_BAR:
@@ -282,12 +287,13 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str) -> li
             else:
                 verdict = f"{'better' if diff > 0 else 'worse'} than the control, beyond noise"
             ci = f" [{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else ""
-            treated, base = Estimate.of(runs[metric]), Estimate.of(control[metric])  # n: runs that have `metric`
+            treated, base = Estimate.of(runs[metric]), Estimate.of(control[metric])  # n: the runs that log it
+            cost = [_fmt_num(r[r[metric].notna()].train_gpu_s.mean(), 0) for r in (runs, control)]
             lines.append(
                 f"{_label(arm_factors, cell)} against the control{where}: "
                 f"{_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(base, metric)} (n={base.n}); "
-                f"Δ {_fmt(diff, metric, True)}{ci}: **{verdict}**. Training GPU-seconds per run: "
-                f"{_fmt_num(runs.train_gpu_s.mean(), 0)} vs {_fmt_num(control.train_gpu_s.mean(), 0)}."
+                f"Δ {_fmt(diff, metric, True)}{ci}: **{verdict}**. "
+                f"Training GPU-seconds per run: {cost[0]} vs {cost[1]}."
             )
     return lines
 
@@ -387,10 +393,12 @@ def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
     per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
     verdicts = control_verdicts(table, factors, metric)
+    columns = subset_metrics(table) if metric == "val_final" else []
+    level = 1 - 0.05 / max(len(columns), 1)  # Bonferroni: one test per subset, 5 % for all of them together
     by_subset = [
-        f"`{column.split(SUBSET_SEP)[1]}` questions: {line}"
-        for column in (subset_metrics(table) if metric == "val_final" else [])
-        for line in control_verdicts(table, factors, column)
+        f"`{column.split(SUBSET_SEP, 1)[1]}` questions: {line}"
+        for column in columns
+        for line in control_verdicts(table, factors, column, level)
     ]
     cells = cell_table(table, factors)
     return Report(table, cells, per_factor, problems, metric, verdicts, by_subset), factors
@@ -414,7 +422,12 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
         )
         text += "\n".join(f"- {v}" for v in report.verdicts)
         if report.subset_verdicts:
-            text += "\n\nThe same on each subset of the validation questions (`data.val_subset_field`):\n\n"
+            k = len(subset_metrics(report.runs))
+            text += (
+                f"\n\nThe same on each subset of the validation questions (`data.val_subset_field`), n counting the "
+                f"runs that log it; with {k} subsets each Δ's CI is {100 - 5 / k:.1f}% (Bonferroni), so that the "
+                f"{k} verdicts together are wrong with at most 5% probability:\n\n"
+            )
             text += "\n".join(f"- {v}" for v in report.subset_verdicts)
         out.append(("Treatment against control", text, None))
     cells = (

@@ -10,6 +10,7 @@ The parquet names are the ones agent-lightning's Spider bundle uses (`VERL_SPIDE
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,6 +19,7 @@ import pandas as pd
 
 from agent.rollout import SUBSET
 from data import spider_mini
+from foundation.errors import ConfigError
 from foundation.schema import number
 from rewards.exec_match import ExecMatch
 
@@ -52,10 +54,20 @@ def load_split(spider_dir: str | Path, split: str, subset_field: str | None = No
             "query": record["query"],
             "db_path": str(root / "database" / db_id / f"{db_id}.sqlite"),
         }
-        if subset_field is not None and record.get(subset_field) is not None:
-            task[SUBSET] = str(record[subset_field])
+        if subset_field is not None and (subset := _subset_name(record.get(subset_field))) is not None:
+            task[SUBSET] = subset
         tasks.append(task)
     return tasks
+
+
+def _subset_name(value: Any) -> str | None:
+    """A record's subset as text (it names metrics: `val/<subset>/accuracy`); None when the record has none."""
+    if value is None or (isinstance(value, float) and math.isnan(value)) or str(value) == "":
+        return None
+    name = str(value)
+    if "/" in name or ":" in name:
+        raise ValueError(f"subset {name!r}: a subset name may not contain '/' or ':' (it names metrics)")
+    return name
 
 
 @dataclass
@@ -93,4 +105,6 @@ class SpiderData:
 
     def val_tasks(self) -> list[dict[str, Any]]:
         tasks = load_split(self.prepare(), self.val_split, self.val_subset_field)
+        if self.val_subset_field is not None and not any(SUBSET in t for t in tasks):
+            raise ConfigError(f"data.val_subset_field={self.val_subset_field}: no {self.val_split} record has it")
         return tasks[: self.val_limit] if self.val_limit else tasks

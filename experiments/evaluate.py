@@ -28,8 +28,8 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     summary, rollouts = asyncio.run(
         evaluate(parts["agent"], tasks, lambda i: chats[i], data.metric(), concurrency=endpoint.concurrency)
     )
-    subsets = EvalSummary.per_subset(rollouts, summary.wall_s)
-    scores = asdict(summary) | ({"subsets": {k: asdict(v) for k, v in subsets.items()}} if subsets else {})
+    subsets = EvalSummary.per_subset(rollouts)
+    scores = asdict(summary) | ({"subsets": subsets} if subsets else {})
     out = run_dir.path / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(scores, indent=2), encoding="utf-8")

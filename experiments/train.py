@@ -96,13 +96,21 @@ def describe(summary: dict[str, Any]) -> str:
         verdict = "beyond noise" if low > 0 or high < 0 else verdict
 
         lines.append(f"  difference                   {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
-    subsets = (after or before or {}).get("subsets") or {}
+    shown = [val for _, val in rows if val]
+    subsets = list(dict.fromkeys(name for val in shown for name in val.get("subsets", {})))
     if subsets:
-        lines.append("  per subset (data.val_subset_field), " + " -> ".join(label for label, val in rows if val) + ":")
+        labels = " -> ".join(label for label, val in rows if val)
+        lines.append(f"  per subset (data.val_subset_field), {labels}, each with its 95 % interval:")
     for name in subsets:
-        of_rows = [val["subsets"][name] for _, val in rows if name in (val or {}).get("subsets", {})]
-        accuracies = [f"{of_subset['accuracy']:.2f}" for of_subset in of_rows]
-        lines.append(f"    {name:<26} {' -> '.join(accuracies)}  (n={subsets[name]['n']})")
+        scores = [val.get("subsets", {}).get(name) for val in shown]
+        cells = [
+            "-"
+            if s is None
+            else f"{s['accuracy']:.2f} [{wilson(s['accuracy'], s['n'])[0]:.2f}, {wilson(s['accuracy'], s['n'])[1]:.2f}]"
+            for s in scores
+        ]
+        n = next(s["n"] for s in scores if s is not None)
+        lines.append(f"    {name:<26} {' -> '.join(cells)}  (n={n})")
     rewards = summary.get("reward_per_step") or []
     known = [r for r in rewards if r is not None]
     if known:

@@ -273,28 +273,32 @@ def test_a_treatment_is_judged_against_its_control(
 
 
 def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> None:
-    """Inside noise on all questions, beyond noise on one subset: the report says both, subset by subset."""
+    """Inside noise on all questions, beyond noise on one subset: the report says both, subset by subset, each
+    subset's CI widened for the number of subsets (Bonferroni)."""
     sweep = tmp_path / "learning"
-    runs = [("grpo", 0.50, 0.30), ("grpo", 0.56, 0.32), ("grpo", 0.62, 0.31)]
-    runs += [("sft_control", 0.53, 0.10), ("sft_control", 0.55, 0.11), ("sft_control", 0.57, 0.12)]
-    for num, (arm, val, entity) in enumerate(runs):
-        write_arm(sweep / str(num), arm, num % 3, val, {"combination": 0.05, "entity": entity})
+    runs = [("grpo", 0.50, 0.30, 0.44), ("grpo", 0.56, 0.32, 0.48), ("grpo", 0.62, 0.31, 0.52)]
+    runs += [("sft_control", 0.53, 0.10, 0.34), ("sft_control", 0.55, 0.11, 0.38), ("sft_control", 0.57, 0.12, 0.42)]
+    for num, (arm, val, entity, value) in enumerate(runs):
+        write_arm(sweep / str(num), arm, num % 3, val, {"combination": 0.05, "entity": entity, "value": value})
     # runs from before subsets were logged count in the overall verdict, not in the subsets' ones
     write_arm(tmp_path / "older" / "0", "grpo", 3, 0.56)
     write_arm(tmp_path / "older" / "1", "sft_control", 3, 0.55)
-    md = (
-        report.main([str(sweep), str(tmp_path / "older"), "--out", str(tmp_path / "report")]) / "report.md"
-    ).read_text()
-    lines = [line for line in out_tables(md)["Treatment against control"].splitlines() if line.startswith("- ")]
-    assert len(lines) == 3 and lines[0].startswith("- algorithm=grpo against the control: 56.0 ± ")
+    out = report.main([str(sweep), str(tmp_path / "older"), "--out", str(tmp_path / "report")])
+    md = (out / "report.md").read_text()
+    section = out_tables(md)["Treatment against control"]
+    assert "with 3 subsets each Δ's CI is 98.3% (Bonferroni)" in section
+    lines = [line for line in section.splitlines() if line.startswith("- ")]
+    assert len(lines) == 4 and lines[0].startswith("- algorithm=grpo against the control: 56.0 ± ")
     assert "(n=4) vs 55.0 ± " in lines[0] and "inside noise" in lines[0]
-    assert lines[1].count("(n=3)") == lines[2].count("(n=3)") == 2
+    assert all(line.count("(n=3)") == 2 for line in lines[1:])
     assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
     assert lines[1].endswith(": **inside noise**. Training GPU-seconds per run: 181 vs 181.")
     assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
     assert "Δ +20.0 [" in lines[2] and "**better than the control, beyond noise**" in lines[2]
+    # +10 points at a spread of 4: beyond noise at 95% (Welch: [+0.9, +19.1]), not at 98.3%
+    assert lines[3].startswith("- `value` questions:") and "Δ +10.0 [-2.9, +22.9]: **inside noise**" in lines[3]
     cells = table_rows(out_tables(md)["All cells"])
-    assert [r["val_final:entity"] for r in cells] == ["11.0 ± 2.5", "31.0 ± 2.5"]
+    assert [r["val_final:entity"] for r in cells] == ["11.0 ± 2.5 (n=3)", "31.0 ± 2.5 (n=3)"]
 
 
 def test_no_control_no_verdict_section(sweeps: tuple[Path, Path]) -> None:

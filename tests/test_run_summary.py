@@ -51,10 +51,11 @@ def test_accuracy_per_subset_before_and_after() -> None:
         "entity": {"accuracy": 0.5, "n": 80},
     }
     runs["val_final"]["subsets"] = {"combination": {"accuracy": 0.1, "n": 20}, "entity": {"accuracy": 0.53, "n": 80}}
+    del runs["val_final"]["subsets"]["entity"]  # a subset one validation lacks shows as "-"
     lines = describe(runs).splitlines()
-    at = lines.index("  per subset (data.val_subset_field), after SFT -> after GRPO:")
+    at = lines.index("  per subset (data.val_subset_field), after SFT -> after GRPO, each with its 95 % interval:")
     assert lines[at + 1 : at + 3] == [
-        "    combination                0.05 -> 0.10  (n=20)",
-        "    entity                     0.50 -> 0.53  (n=80)",
+        "    combination                0.05 [0.01, 0.24] -> 0.10 [0.03, 0.30]  (n=20)",
+        "    entity                     0.50 [0.39, 0.61] -> -  (n=80)",
     ]
     assert "per subset" not in describe(summary(0.41, 0.45, [0.1]))  # a split without subsets: no such lines

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.rollout import SUBSET
 from data import spider_mini
+from data.spider import SpiderData, load_split
+from foundation.errors import ConfigError
 
 N_TRAIN, N_DEV = 300, 50
 
@@ -124,3 +127,21 @@ def test_dev_questions_say_what_they_hold_out(dataset: Path) -> None:
             assert name not in "\n".join(t["query"] for t in train), r
         elif r["held_out"] == spider_mini.HELD_OUT_VALUE:
             assert re.sub(r"\d+(\.\d+)?|'[^']*'", "?", r["query"]) in train_shapes, r
+
+
+def test_validation_tasks_carry_their_subset_and_a_misspelt_field_is_an_error(dataset: Path) -> None:
+    data = SpiderData(name="spider_mini", spider_dir=str(dataset), val_subset_field="held_out")
+    dev = _load(dataset, "dev.json")
+    assert [t[SUBSET] for t in data.val_tasks()] == [r["held_out"] for r in dev]
+    assert all(SUBSET not in t for t in data.train_tasks())
+    with pytest.raises(ConfigError, match=re.escape("data.val_subset_field=helt_out: no dev record has it")):
+        SpiderData(name="spider_mini", spider_dir=str(dataset), val_subset_field="helt_out").val_tasks()
+
+
+def test_a_subset_names_metrics_so_it_is_checked(tmp_path: Path) -> None:
+    records = [{"db_id": "d", "question": "q", "query": "SELECT 1", "kind": k} for k in ("a", None, "", float("nan"))]
+    (tmp_path / "dev.json").write_text(json.dumps(records, allow_nan=True))
+    assert [t.get(SUBSET) for t in load_split(tmp_path, "dev", "kind")] == ["a", None, None, None]
+    (tmp_path / "dev.json").write_text(json.dumps([{**records[0], "kind": "a/b"}]))
+    with pytest.raises(ValueError, match="may not contain"):
+        load_split(tmp_path, "dev", "kind")

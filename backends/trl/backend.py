@@ -151,12 +151,12 @@ class TRLBackend:
             )
             server.engine.release()  # the validation batch's KV cache would otherwise stay through training
             run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
-            subsets = EvalSummary.per_subset(rollouts, summary.wall_s)
-            results[f"val_{name}"] = vars(summary) | {"subsets": {k: vars(v) for k, v in subsets.items()}}
+            subsets = EvalSummary.per_subset(rollouts)
+            results[f"val_{name}"] = vars(summary) | ({"subsets": subsets} if subsets else {})
             run.phase = phase
             metrics = {f"val/{k}": v for k, v in vars(summary).items()}
-            for subset, of_subset in subsets.items():
-                metrics |= {f"val/{subset}/accuracy": of_subset.accuracy, f"val/{subset}/n": of_subset.n}
+            for subset, scores in subsets.items():
+                metrics |= {f"val/{subset}/accuracy": scores["accuracy"], f"val/{subset}/n": scores["n"]}
             return metrics
 
         max_length = algo.max_prompt_length + algo.max_response_length
