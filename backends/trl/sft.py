@@ -168,15 +168,20 @@ class SFTWarmstart:
         show_progress(trainer, "warm start (SFT)")
         trainer.train()
         output_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent)) if is_main() else None
-        trainer.save_model(str(staging or output_dir))  # rank 0 writes
-        if staging is not None:
-            tokenizer.save_pretrained(str(staging))
-            if (output_dir / "config.json").is_file():  # published meanwhile (ranks of another run): keep that one
-                shutil.rmtree(staging, ignore_errors=True)
-            else:
-                shutil.rmtree(output_dir, ignore_errors=True)  # what an attempt that died left, never a model
-                staging.rename(output_dir)
+        # Each rank saves into a directory of its own. Rank 0 writes the model there; the others only help gather a
+        # sharded model's weights, but transformers lists the directory they name, and output_dir may be gone then
+        # (rank 0 replacing what a dead attempt left: a FileNotFoundError on rank 1 in a two-node run).
+        staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+        trainer.save_model(str(staging))
+        if not is_main():
+            shutil.rmtree(staging, ignore_errors=True)
+            return trainer.model
+        tokenizer.save_pretrained(str(staging))
+        if (output_dir / "config.json").is_file():  # published meanwhile (ranks of another run): keep that one
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            shutil.rmtree(output_dir, ignore_errors=True)  # what an attempt that died left, never a model
+            staging.rename(output_dir)
         return trainer.model
 
 
