@@ -200,16 +200,17 @@ def _in_cell(done: pd.DataFrame, factors: list[str], cell: tuple[Any, ...]) -> p
 def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
     """One row per cell: seeds, accuracy and reward as mean ± 95% CI, and cost per run."""
     done = table[table.status == COMPLETED]
+    subsets = subset_metrics(table)
     rows = []
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
         total = len(_in_cell(table, factors, cell))
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
-        for metric in ("val_initial", "val_final", "val_best", "reward_final", *subset_metrics(table)):
+        for metric in ("val_initial", "val_final", "val_best", "reward_final", *subsets):
             estimate = Estimate.of(runs[metric])
             row[metric] = _fmt_estimate(estimate, metric)
-            if metric in subset_metrics(table) and 0 < estimate.n < len(runs):  # not every run logs subsets
+            if metric in subsets and 0 < estimate.n < len(runs):  # not every run logs subsets
                 row[metric] += f" (n={estimate.n})"
         row["wall_h/run"] = _fmt_num(runs.wall_s.mean() / 3600)
         row["gpu_h/run"] = _fmt_num(runs.gpu_hours.mean())

@@ -74,6 +74,11 @@ def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def _with_interval(p: float, n: int) -> str:
+    low, high = wilson(p, n)
+    return f"{p:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def describe(summary: dict[str, Any]) -> str:
     """What a person reads at the end of a training run (summary.json keeps everything)."""
     run = summary["run_dir"]
@@ -103,12 +108,7 @@ def describe(summary: dict[str, Any]) -> str:
         lines.append(f"  per subset (data.val_subset_field), {labels}, each with its 95 % interval:")
     for name in subsets:
         scores = [val.get("subsets", {}).get(name) for val in shown]
-        cells = [
-            "-"
-            if s is None
-            else f"{s['accuracy']:.2f} [{wilson(s['accuracy'], s['n'])[0]:.2f}, {wilson(s['accuracy'], s['n'])[1]:.2f}]"
-            for s in scores
-        ]
+        cells = ["-" if s is None else _with_interval(s["accuracy"], s["n"]) for s in scores]
         n = next(s["n"] for s in scores if s is not None)
         lines.append(f"    {name:<26} {' -> '.join(cells)}  (n={n})")
     rewards = summary.get("reward_per_step") or []
