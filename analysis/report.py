@@ -10,8 +10,11 @@ difference is within noise (the CI contains 0). Failed, unfinished and not-start
 
 Arms and controls: a run whose summary says `arm: sft_control` (algorithm=sft_control) is a control. Its cell is the
 baseline of the factor that tells it from the treatments, and the report opens with one verdict line per treatment:
-its metric against the control's, the difference with its 95% CI, better / worse / inside noise. Curves are drawn
-against training seconds (`train/elapsed_s`) where every run logs them, so arms of equal compute line up.
+its metric against the control's, the difference with its 95% CI, better / worse / inside noise, and the smallest
+difference the comparison could have detected (80% power). Where every treatment run has a control run with the same
+seed and the same warm-start weights (`sft.weights_sha256`), the comparison is paired (a t-test on the per-seed
+differences); otherwise Welch's. Curves are drawn against training seconds (`train/elapsed_s`) where every run logs
+them, so arms of equal compute line up.
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ from foundation.run_dir import is_factor, override_key
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-ACCURACY_METRICS = {"val_initial", "val_final", "val_best"}  # fractions, shown as percentages
+ACCURACY_METRICS = {"val_initial", "val_final", "val_best", "test_final"}  # fractions, shown as percentages
 SUBSET_SEP = ":"  # `val_final:entity`: the final validation accuracy on one subset (logged as val/entity/accuracy)
 METRICS = {
     "val_final": "validation accuracy at the last step",
     "val_best": "best validation accuracy over steps",
     "val_initial": "validation accuracy before GRPO",
+    "test_final": "test accuracy of the final model (the test split, scored once at the end)",
     "reward_final": "training reward at the last step",
 }
 WITHIN_NOISE, BEYOND_NOISE, NO_ERROR_BAR = "within noise", "beyond noise", "no error bar (n < 2)"
+POWER = 0.8  # the power at which the smallest detectable difference is stated
 CONTROL_ARM = "sft_control"  # the `arm` a control run's summary names (backends/algorithm.py SFTControl)
 ELAPSED = "train/elapsed_s"  # training seconds, validation not counted
 
@@ -70,11 +75,16 @@ def factor_keys(runs: list[Run]) -> list[str]:
     return [k for k in keys if len({repr(run.value(k)) for run in runs}) > 1]
 
 
-def final_subsets(run: Run) -> dict[str, float]:
-    """The last validation's accuracy per subset of the validation split (`val/<subset>/accuracy`)."""
-    last = next((m for m in reversed(run.metrics) if m.get("val/accuracy") is not None), {})
+def final_subsets(run: Run, split: str = "val") -> dict[str, float]:
+    """The last score's accuracy per subset of a split (`val/<subset>/accuracy`, `test/<subset>/accuracy`)."""
+    last = next((m for m in reversed(run.metrics) if m.get(f"{split}/accuracy") is not None), {})
     parts = (k.split("/") for k in last)
-    return {p[1]: last["/".join(p)] for p in parts if len(p) == 3 and p[0] == "val" and p[2] == "accuracy"}
+    return {p[1]: last["/".join(p)] for p in parts if len(p) == 3 and p[0] == split and p[2] == "accuracy"}
+
+
+def warm_start_of(run: Run) -> str | None:
+    """The digest of the weights the run's training started from (a warm start's), where it has one."""
+    return (run.summary.get("sft") or {}).get("weights_sha256")
 
 
 def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
@@ -83,6 +93,7 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
     for run in runs:
         val = [m["val/accuracy"] for m in run.metrics if m.get("val/accuracy") is not None]
         subsets = {f"val_final{SUBSET_SEP}{name}": acc for name, acc in final_subsets(run).items()}
+        subsets |= {f"test_final{SUBSET_SEP}{name}": acc for name, acc in final_subsets(run, "test").items()}
         wall_s = run.summary.get("wall_s")
         gpus = gpus_of(run)
         rows.append(
@@ -95,12 +106,14 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "val_initial": val[0] if val else None,
                 "val_final": val[-1] if val else None,
                 "val_best": max(val) if val else None,
+                "test_final": _last(run.metrics, "test/accuracy"),
                 "reward_final": _last(run.metrics, "train/reward_mean"),
                 "steps": max((m["step"] for m in run.metrics), default=None),
                 "wall_s": wall_s,
                 "gpus": gpus,
                 "gpu_hours": wall_s * gpus / 3600 if wall_s is not None and gpus is not None else None,
                 "arm": run.summary.get("arm"),
+                "pair": f"seed={run.value('seed')} warm={warm_start_of(run)}",  # runs of one pair: the same start
                 "train_gpu_s": _train_gpu_s(run, gpus),
                 "tokens": _last(run.metrics, "train/num_tokens"),
                 "error": (run.error or "").splitlines()[0] if run.error else None,
@@ -109,16 +122,17 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
             }
         )
     table = pd.DataFrame(rows)
-    numeric = ["val_initial", "val_final", "val_best", "reward_final", "steps", "wall_s", "gpus", "gpu_hours", "tokens"]
+    numeric = ["val_initial", "val_final", "val_best", "test_final", "reward_final", "steps", "wall_s", "gpus"]
+    numeric += ["gpu_hours", "tokens"]
     numeric += ["train_gpu_s", *subset_metrics(table)]
     table[numeric] = table[numeric].apply(pd.to_numeric)
     # controls first: the first value of a factor is its baseline, and a control is its factor's baseline
     return table.sort_values("arm", key=lambda arm: arm != CONTROL_ARM, kind="stable").reset_index(drop=True)
 
 
-def subset_metrics(table: pd.DataFrame) -> list[str]:
-    """The table's per-subset accuracy columns (`val_final:<subset>`), in the order they first appear."""
-    return [c for c in table.columns if c.startswith(f"val_final{SUBSET_SEP}")]
+def subset_metrics(table: pd.DataFrame, metric: str = "val_final") -> list[str]:
+    """The table's per-subset accuracy columns of `metric` (`val_final:<subset>`), in the order they first appear."""
+    return [c for c in table.columns if c.startswith(f"{metric}{SUBSET_SEP}")]
 
 
 def is_accuracy(metric: str) -> bool:
@@ -154,20 +168,70 @@ class Estimate:
         return cls(float(x.mean()), half, n)
 
 
-def difference(
-    base: pd.Series, other: pd.Series, level: float = 0.95
-) -> tuple[float, float | None, float | None, float | None, str]:
-    """other - base: the difference of means, its CI at `level` (Welch), the p-value and the noise flag."""
+@dataclass
+class Comparison:
+    """other - base: the difference of means, its CI at `level` and p (Welch's t, or a paired t on the differences of
+    runs with the same seed and start), the noise flag, and the smallest difference the test would detect with
+    `POWER` at that level (None where the runs give no spread to judge by)."""
+
+    diff: float
+    low: float | None
+    high: float | None
+    p: float | None
+    flag: str
+    detectable: float | None
+    test: str  # "Welch" or "paired (n pairs)"
+
+
+def difference(base: pd.Series, other: pd.Series, level: float = 0.95) -> Comparison:
+    """other - base over independent runs (Welch's t)."""
     a, b = base.dropna().to_numpy(dtype=float), other.dropna().to_numpy(dtype=float)
-    diff = float(b.mean() - a.mean())
+    diff = float(b.mean() - a.mean()) if len(a) and len(b) else math.nan
     if len(a) < 2 or len(b) < 2:
-        return diff, None, None, None, NO_ERROR_BAR
-    if a.std(ddof=1) == 0 and b.std(ddof=1) == 0:  # no seed variance at all: the t-test is undefined
-        return diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE
+        return Comparison(diff, None, None, None, NO_ERROR_BAR, None, "Welch")
+    if _constant(a) and _constant(b):  # no seed variance at all: the t-test is undefined
+        return Comparison(diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE, None, "Welch")
     test = stats.ttest_ind(b, a, equal_var=False)
     ci = test.confidence_interval(level)
-    low, high = float(ci.low), float(ci.high)
-    return diff, low, high, float(test.pvalue), WITHIN_NOISE if low <= 0 <= high else BEYOND_NOISE
+    se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    return _comparison(diff, float(ci.low), float(ci.high), float(test.pvalue), level, float(test.df), se, "Welch")
+
+
+def paired_difference(pairs: pd.DataFrame, level: float = 0.95) -> Comparison:
+    """other - base over pairs of runs (columns `base`, `other`: one row per seed and start), by a paired t-test."""
+    d = (pairs["other"] - pairs["base"]).dropna().to_numpy(dtype=float)
+    name = f"paired ({len(d)} pairs)"
+    diff = float(d.mean()) if len(d) else math.nan
+    if len(d) < 2:
+        return Comparison(diff, None, None, None, NO_ERROR_BAR, None, name)
+    if _constant(d):
+        return Comparison(diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE, None, name)
+    test = stats.ttest_1samp(d, 0.0)
+    ci = test.confidence_interval(level)
+    se = float(d.std(ddof=1) / math.sqrt(len(d)))
+    return _comparison(diff, float(ci.low), float(ci.high), float(test.pvalue), level, len(d) - 1, se, name)
+
+
+def _constant(x: np.ndarray) -> bool:
+    """No spread beyond rounding (0.62 - 0.54 and 0.64 - 0.55 differ by 1e-17)."""
+    return bool(np.ptp(x) <= 1e-12 * max(1.0, float(np.abs(x).max())))
+
+
+def _comparison(
+    diff: float, low: float, high: float, p: float, level: float, df: float, se: float, test: str
+) -> Comparison:
+    detectable = float((stats.t.ppf(1 - (1 - level) / 2, df) + stats.t.ppf(POWER, df)) * se)
+    return Comparison(diff, low, high, p, WITHIN_NOISE if low <= 0 <= high else BEYOND_NOISE, detectable, test)
+
+
+def compare(base: pd.DataFrame, other: pd.DataFrame, metric: str, level: float = 0.95) -> Comparison:
+    """`other` against `base` on `metric`: paired where every run of each side that has the metric has exactly one
+    partner on the other side with the same seed and warm start (`pair`), else Welch's."""
+    a, b = base[base[metric].notna()], other[other[metric].notna()]
+    if len(a) >= 2 and a.pair.is_unique and b.pair.is_unique and set(a.pair) == set(b.pair):
+        pairs = pd.DataFrame({"base": a.set_index("pair")[metric], "other": b.set_index("pair")[metric]})
+        return paired_difference(pairs, level)
+    return difference(a[metric], b[metric], level)
 
 
 def _fmt(value: float | None, metric: str, signed: bool = False) -> str:
@@ -244,15 +308,16 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
             row["n"] = len(runs)
             row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
             if level == levels[0]:
-                row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": ""}
+                row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": "", "detectable Δ": ""}
             else:
-                diff, low, high, p, flag = difference(base[metric], runs[metric])
-                ci = f"[{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else "n/a"
+                c = difference(base[metric], runs[metric])
+                ci = f"[{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else "n/a"
                 row |= {
-                    "Δ vs baseline": _fmt(diff, metric, True),
+                    "Δ vs baseline": _fmt(c.diff, metric, True),
                     "95% CI of Δ": ci,
-                    "p": "n/a" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}",
-                    "noise": flag,
+                    "p": _fmt_p(c.p),
+                    "noise": c.flag,
+                    "detectable Δ": _fmt(c.detectable, metric) if c.detectable is not None else "n/a",
                 }
             rows.append(row)
     return pd.DataFrame(rows)
@@ -278,25 +343,37 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level
             continue
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
-            diff, low, high, _, flag = difference(control[metric], runs[metric], level)
+            c = compare(control, runs, metric, level)
             if control[metric].isna().all() or runs[metric].isna().all():
                 verdict = f"no verdict (an arm has no `{metric}`)"
-            elif flag == NO_ERROR_BAR:
+            elif c.flag == NO_ERROR_BAR:
                 verdict = "no verdict (fewer than 2 seeds in an arm)"
-            elif flag == WITHIN_NOISE:
+            elif c.flag == WITHIN_NOISE:
                 verdict = "inside noise"
             else:
-                verdict = f"{'better' if diff > 0 else 'worse'} than the control, beyond noise"
-            ci = f" [{_fmt(low, metric, True)}, {_fmt(high, metric, True)}]" if low is not None else ""
+                verdict = f"{'better' if c.diff > 0 else 'worse'} than the control, beyond noise"
+            ci = f" [{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else ""
+            power = ""
+            if c.detectable is not None:
+                power = f"; {c.test}, it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power"
             treated, base = Estimate.of(runs[metric]), Estimate.of(control[metric])  # n: the runs that log it
-            cost = [_fmt_num(r[r[metric].notna()].train_gpu_s.mean(), 0) for r in (runs, control)]
             lines.append(
                 f"{_label(arm_factors, cell)} against the control{where}: "
                 f"{_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(base, metric)} (n={base.n}); "
-                f"Δ {_fmt(diff, metric, True)}{ci}: **{verdict}**. "
-                f"Training GPU-seconds per run: {cost[0]} vs {cost[1]}."
+                f"Δ {_fmt(c.diff, metric, True)}{ci}: **{verdict}**{power}. "
+                f"{_compute_line(runs[runs[metric].notna()], control[control[metric].notna()])}"
             )
     return lines
+
+
+def _fmt_p(p: float | None) -> str:
+    return "n/a" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _compute_line(treated: pd.DataFrame, control: pd.DataFrame) -> str:
+    """What each arm spent per run: training GPU-seconds, and training FLOPs where the runs count them."""
+    seconds = [_fmt_num(r.train_gpu_s.mean(), 0) for r in (treated, control)]
+    return f"Training GPU-seconds per run: {seconds[0]} vs {seconds[1]}."
 
 
 def _label(factors: list[str], cell: tuple[Any, ...]) -> str:
@@ -419,7 +496,9 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     if report.verdicts:
         text = (
             "Each treatment against its control (a run with `arm: sft_control`: the warm start's SFT continued for "
-            "the same training time), over seeds; Δ = treatment - control, 95% CI from Welch's t-test.\n\n"
+            "the same training time), over seeds; Δ = treatment - control with its 95% CI: from a paired t-test where "
+            "every treatment run has a control run with its seed and warm start, else from Welch's t-test; and the "
+            f"smallest |Δ| that test would detect with {POWER:.0%} power (at the same confidence level).\n\n"
         )
         text += "\n".join(f"- {v}" for v in report.verdicts)
         if report.subset_verdicts:

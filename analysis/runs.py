@@ -65,12 +65,15 @@ def load(sources: list[str]) -> list[Run]:
 
 
 def load_tree(root: Path) -> list[Run]:
+    """Every run directory under `root` (at any depth: a run, a sweep, a folder of sweeps), and each sweep's jobs
+    that never wrote one."""
     run_dirs = sorted({p.parent.parent for p in root.rglob(".hydra/overrides.yaml")}, key=_natural)
-    runs = [load_run_dir(d, root) for d in run_dirs]
-    for sweep in sorted({root, *(p.parent for p in root.rglob("multirun.yaml"))}):
-        siblings = [run for d, run in zip(run_dirs, runs, strict=True) if d.parent == sweep]
-        runs += _not_started(sweep, root, siblings)
-    return runs
+    found = [load_run_dir(d, root) for d in run_dirs]
+    missing: list[Run] = []
+    for sweep in sorted({p.parent for p in root.rglob("multirun.yaml")}):
+        siblings = [run for d, run in zip(run_dirs, found, strict=True) if d.parent == sweep]
+        missing += _not_started(sweep, root, siblings)
+    return found + missing
 
 
 def _natural(path: Path) -> tuple[tuple[int, int | str], ...]:

@@ -41,6 +41,8 @@ class GRPO:
     is_cap: float = number(2.0, gt=1)
     reward_timeout_s: float = number(60.0, gt=0)
     time_budget_s: float | None = number(None, gt=0)  # stop at the first step end after this much training
+    flops_budget: float | None = number(None, gt=0)  # likewise after this many training FLOPs (backends/compute.py)
+    test_at_end: bool = True  # the final model is scored on the data's test split too (test/*), never before
 
     def __post_init__(self) -> None:
         if self.batch_size % self.micro_batch_size:
@@ -84,9 +86,9 @@ class GRPO:
 
     @property
     def lr_schedule(self) -> str:
-        """After `lr_warmup_steps`, linear decay to the last step; constant under a time budget, whose last step is not
-        known ahead."""
-        if self.time_budget_s is None:
+        """After `lr_warmup_steps`, linear decay to the last step; constant under a time or FLOPs budget, whose last
+        step is not known ahead."""
+        if self.time_budget_s is None and self.flops_budget is None:
             return "linear"
         return "constant_with_warmup" if self.lr_warmup_steps else "constant"
 
@@ -107,7 +109,8 @@ class SFTControl(GRPO):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.time_budget_s is None and self.max_steps <= 0:
+        if self.time_budget_s is None and self.flops_budget is None and self.max_steps <= 0:
             raise ValueError(
-                "algorithm=sft_control needs algorithm.time_budget_s (the treatment's training time) or max_steps"
+                "algorithm=sft_control needs algorithm.time_budget_s or flops_budget (the treatment's compute) or "
+                "max_steps"
             )

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from agent.dbbench import scratch_for
+from data.splits import KIND, stratified_split
 from foundation.schema import number
 from rewards.dbbench_match import DBBenchMatch
 
@@ -210,6 +211,7 @@ def load_entries(data_dir: str | Path, entry_file: str = ENTRY_FILE) -> list[dic
                 "db_id": entry["table_info"]["name"],
                 "query": entry["answer_info"]["sql"].strip(),
                 **entry,
+                KIND: f"{'+'.join(sorted(entry['skill_list']))}|{entry['table_info']['name']}",
             }
         )
     return tasks
@@ -217,14 +219,17 @@ def load_entries(data_dir: str | Path, entry_file: str = ENTRY_FILE) -> list[dic
 
 @dataclass
 class DBBenchData:
-    """DB-bench tasks from `data_dir/entry_file`; the last `val_size` entries (in index order) validate."""
+    """DB-bench tasks from `data_dir/entry_file`: `val_size` of them validate and `test_size` judge, drawn with
+    `split_seed` in the proportions of the skills (`data.splits`); the others train."""
 
     task_kind: ClassVar[str] = "dbbench"
 
     name: str
     data_dir: str
     entry_file: str = ENTRY_FILE
-    val_size: int = number(50, gt=0)  # the last entries, held out for validation
+    val_size: int = number(50, gt=0)  # entries held out for validation
+    test_size: int = number(50, ge=0)  # entries held out for the test (0: no test split)
+    split_seed: int = number(0, ge=0)  # the seed of every split of the tasks (validation, test, phases)
     val_limit: int | None = number(None, gt=0)  # validate on the first N of them (None: all)
     generate: dict[str, int] | None = None
 
@@ -232,23 +237,48 @@ class DBBenchData:
         if self.generate is None and not (Path(self.data_dir) / self.entry_file).is_file():
             raise FileNotFoundError(f"data.data_dir={self.data_dir} holds no {self.entry_file}")
 
-    def _tasks(self) -> list[dict[str, Any]]:
+    def _splits(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+        """(train, val, test), each in the entries' order."""
         if self.generate is not None:
             generate(self.data_dir, **self.generate)
         tasks = load_entries(self.data_dir, self.entry_file)
-        if len(tasks) <= self.val_size:
-            raise ValueError(f"data.val_size={self.val_size} leaves no training tasks out of {len(tasks)}")
-        return tasks
+        held = self.val_size + self.test_size
+        if len(tasks) <= held:
+            raise ValueError(
+                f"data.val_size={self.val_size} and data.test_size={self.test_size} leave no training tasks out of "
+                f"{len(tasks)}"
+            )
+        held_out, train = _exactly(tasks, held, self.split_seed, "held-out")
+        if not self.test_size:
+            return train, held_out, []
+        val, test = _exactly(held_out, self.val_size, self.split_seed, "val")
+        return train, val, test
 
     def metric(self) -> DBBenchMatch:
         return DBBenchMatch()
 
     def train_tasks(self) -> list[dict[str, Any]]:
-        return self._tasks()[: -self.val_size]
+        return self._splits()[0]
 
     def val_tasks(self) -> list[dict[str, Any]]:
-        tasks = self._tasks()[-self.val_size :]
+        tasks = self._splits()[1]
         return tasks[: self.val_limit] if self.val_limit else tasks
+
+    def test_tasks(self) -> list[dict[str, Any]]:
+        return self._splits()[2]
+
+
+def _exactly(
+    tasks: list[dict[str, Any]], n: int, seed: int, salt: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(n of `tasks`, the rest), stratified by kind: the systematic split gives n or n + 1; a surplus task goes
+    back to the rest (the last drawn)."""
+    chosen, rest = stratified_split(tasks, n / len(tasks), seed, salt)
+    while len(chosen) > n:
+        rest.append(chosen.pop())
+    while len(chosen) < n:
+        chosen.append(rest.pop())
+    return chosen, rest
 
 
 def main(argv: list[str] | None = None) -> None:

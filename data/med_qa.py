@@ -4,15 +4,17 @@ Layout written into ``out_dir``::
 
     medical.sqlite        tables drugs_info and disease
     train.parquet         id, question, answer, answer_items, query (the gold SQL), lang, db_id, template
-    val.parquet
+    val.parquet, test.parquet
     _meta.json            generation parameters (used to skip regeneration)
 
 Drug and disease names are real (Chinese names with their English names); which drug treats which disease, the
 dosages, adverse reactions and so on are drawn from small pools with the seed, so the facts are synthetic and the
 model cannot know them: it has to query. Questions are in Chinese and English; each answer is computed by running
 its gold SQL on the database. `answer_items` holds the values the answer must mention (several for list answers).
+A fact (a template asked of an entity) is asked in both languages, and both go to one split; validation and test ask
+about facts training never showed, in the templates' proportions (`data.splits`, stratified by template).
 
-Usage: ``python -m data.med_qa OUT_DIR [--seed S --n-train N --n-val M]``.
+Usage: ``python -m data.med_qa OUT_DIR [--seed S --n-train N --n-val M --n-test K]``.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from data.splits import KIND, stratified_split
 from foundation.schema import number
 from rewards.answer_match import AnswerMatch
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: a test split; held-out facts stratified by template
 DB_ID = "medical"
 _META_FILE = "_meta.json"
 
@@ -266,18 +269,22 @@ def _facts(db_path: Path) -> list[list[dict[str, Any]]]:
         conn.close()
 
 
-def _params(seed: int, n_train: int, n_val: int) -> dict[str, int]:
-    return {"version": GENERATOR_VERSION, "seed": seed, "n_train": n_train, "n_val": n_val}
+def _params(seed: int, n_train: int, n_val: int, n_test: int) -> dict[str, int]:
+    return {"version": GENERATOR_VERSION, "seed": seed, "n_train": n_train, "n_val": n_val, "n_test": n_test}
 
 
-def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 360, n_val: int = 100) -> Path:
+def _template(fact: list[dict[str, Any]]) -> str:
+    return str(fact[0]["template"])
+
+
+def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 320, n_val: int = 60, n_test: int = 60) -> Path:
     """Write the database and the splits into `out_dir` (skipped when it already holds the same parameters).
 
     There is one question per (template, entity, language), 480 in all.
     Written into a temporary directory first and moved into place, so a concurrent reader never sees half a set.
     """
     out = Path(out_dir)
-    params = _params(seed, n_train, n_val)
+    params = _params(seed, n_train, n_val, n_test)
     meta = out / _META_FILE
     if meta.is_file() and json.loads(meta.read_text(encoding="utf-8")) == params:
         return out
@@ -288,17 +295,23 @@ def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 360, n_val: i
         staging.mkdir()
         _build_db(staging / f"{DB_ID}.sqlite", rng)
         facts = _facts(staging / f"{DB_ID}.sqlite")
-        rng.shuffle(facts)
-        # Both languages of a fact go to the same split, so validation asks about facts training never showed.
-        n_val_facts = (n_val + 1) // 2
-        val = [q for fact in facts[:n_val_facts] for q in fact][:n_val]
-        train = [q for fact in facts[n_val_facts:] for q in fact]
-        if len(val) < n_val or len(train) < n_train:
+        # Both languages of a fact go to the same split, so validation and test ask about facts training never
+        # showed; each split holds the templates in proportion (one more fact than asked, for the rounding).
+        n_val_facts, n_test_facts = (n_val + 1) // 2 + 1, (n_test + 1) // 2 + 1
+        share = min((n_val_facts + n_test_facts) / len(facts), 0.99)
+        held, train_facts = stratified_split(facts, share, seed, "held-out", _template)
+        val_share = n_val_facts / (n_val_facts + n_test_facts)
+        val_facts, test_facts = stratified_split(held, val_share, seed, "val", _template)
+        val = [q for fact in val_facts for q in fact][:n_val]
+        test = [q for fact in test_facts for q in fact][:n_test]
+        train = [q for fact in train_facts for q in fact]
+        if len(val) < n_val or len(test) < n_test or len(train) < n_train:
             raise ValueError(
-                f"data.generate asks for {n_train} train and {n_val} val questions; {2 * len(facts)} exist"
+                f"data.generate asks for {n_train} train, {n_val} val and {n_test} test questions; "
+                f"{2 * len(facts)} exist"
             )
         rng.shuffle(train)
-        for split, records in (("train", train[:n_train]), ("val", val)):
+        for split, records in (("train", train[:n_train]), ("val", val), ("test", test)):
             frame = pd.DataFrame([{"id": f"{split}-{i}", **r} for i, r in enumerate(records)])
             frame.to_parquet(staging / f"{split}.parquet", index=False)
         (staging / _META_FILE).write_text(json.dumps(params), encoding="utf-8")
@@ -309,7 +322,8 @@ def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 360, n_val: i
 
 
 def load_split(data_dir: str | Path, split: str) -> list[dict[str, Any]]:
-    """Tasks of one split (`train` or `val`): the parquet's columns plus `db_path`."""
+    """Tasks of one split (`train`, `val` or `test`): the parquet's columns plus `db_path` and `kind` (template and
+    language)."""
     root = Path(data_dir)
     path = root / f"{split}.parquet"
     if not path.is_file():
@@ -318,6 +332,7 @@ def load_split(data_dir: str | Path, split: str) -> list[dict[str, Any]]:
     for task in tasks:
         task["answer_items"] = [str(item) for item in task["answer_items"]]
         task["db_path"] = str(root / f"{task['db_id']}.sqlite")
+        task[KIND] = f"{task['template']}|{task['lang']}"
     return tasks
 
 
@@ -331,6 +346,8 @@ class MedQAData:
     data_dir: str
     train_split: str = "train"
     val_split: str = "val"
+    test_split: str | None = "test"  # None: no test split
+    split_seed: int = number(0, ge=0)  # the seed of every split of the training tasks (between phases)
     val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
     generate: dict[str, int] | None = None
 
@@ -354,15 +371,19 @@ class MedQAData:
         tasks = load_split(self.prepare(), self.val_split)
         return tasks[: self.val_limit] if self.val_limit else tasks
 
+    def test_tasks(self) -> list[dict[str, Any]]:
+        return load_split(self.prepare(), self.test_split) if self.test_split else []
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-train", type=int, default=360)
-    parser.add_argument("--n-val", type=int, default=100)
+    parser.add_argument("--n-train", type=int, default=320)
+    parser.add_argument("--n-val", type=int, default=60)
+    parser.add_argument("--n-test", type=int, default=60)
     args = parser.parse_args(argv)
-    print(generate(args.out_dir, seed=args.seed, n_train=args.n_train, n_val=args.n_val))
+    print(generate(args.out_dir, seed=args.seed, n_train=args.n_train, n_val=args.n_val, n_test=args.n_test))
 
 
 if __name__ == "__main__":

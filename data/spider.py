@@ -2,9 +2,14 @@
 
     <spider_dir>/train_spider.json | train_spider.parquet     list of {question, db_id, query, ...}
     <spider_dir>/dev.json | test_dev_500.parquet | dev.parquet
+    <spider_dir>/test.json                                          (the generated set's; real Spider: dev is the test)
     <spider_dir>/database/<db_id>/<db_id>.sqlite (+ schema.sql)
 
 The parquet names are the ones agent-lightning's Spider bundle uses (`VERL_SPIDER_DATA_DIR`).
+
+Three splits: train (what training learns from), val (what a run validates on and a researcher tunes on) and test
+(what judges, never tuned on). The real Spider has no public test set: its dev set is the test, and validation is
+carved from train (`val_from_train`), stratified by database and SQL skeleton with `split_seed`.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pandas as pd
 
 from agent.rollout import SUBSET
 from data import spider_mini
+from data.splits import KIND, sql_skeleton, stratified_split
 from foundation.errors import ConfigError
 from foundation.schema import number
 from rewards.exec_match import ExecMatch
@@ -26,12 +32,13 @@ from rewards.exec_match import ExecMatch
 SPLIT_FILES = {
     "train": ("train_spider.json", "train_spider.parquet"),
     "dev": ("dev.json", "test_dev_500.parquet", "test_dev.parquet", "dev.parquet"),
+    "test": ("test.json",),
 }
 
 
 def load_split(spider_dir: str | Path, split: str, subset_field: str | None = None) -> list[dict[str, Any]]:
-    """Tasks of one split: `id`, `question`, `db_id`, `query` (gold) and `db_path`; and `subset`, the record's
-    `subset_field` as text, where it has one (validation reports accuracy per subset).
+    """Tasks of one split: `id`, `question`, `db_id`, `query` (gold), `db_path` and `kind` (database and SQL
+    skeleton); and `subset`, the record's `subset_field` as text, where it has one (accuracy is reported per subset).
 
     `split` is `train`, `dev`, or a file name inside `spider_dir`.
     """
@@ -53,6 +60,7 @@ def load_split(spider_dir: str | Path, split: str, subset_field: str | None = No
             "db_id": db_id,
             "query": record["query"],
             "db_path": str(root / "database" / db_id / f"{db_id}.sqlite"),
+            KIND: f"{db_id}|{sql_skeleton(record['query'])}",
         }
         if subset_field is not None and (subset := _subset_name(record.get(subset_field))) is not None:
             task[SUBSET] = subset
@@ -72,19 +80,27 @@ def _subset_name(value: Any) -> str | None:
 
 @dataclass
 class SpiderData:
-    """Train and validation tasks from a directory in Spider's layout; generated there first when `generate` is set."""
+    """Train, validation and test tasks from a directory in Spider's layout; generated there first when `generate` is
+    set."""
 
     task_kind: ClassVar[str] = "text_to_sql"
 
     name: str
     spider_dir: str | None
     train_split: str = "train"
-    val_split: str = "dev"
+    val_split: str | None = "dev"  # None: validation is carved from train (`val_from_train`)
+    test_split: str | None = None  # None: no test split
+    val_from_train: float | None = number(None, gt=0, lt=1)  # share of train carved out for validation
+    split_seed: int = number(0, ge=0)  # the seed of every split of the tasks (validation from train, phases)
     val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
     generate: dict[str, int] | None = None
     val_subset_field: str | None = None  # a field of the validation records: accuracy is also reported per value
 
     def __post_init__(self) -> None:
+        if (self.val_split is None) == (self.val_from_train is None):
+            raise ConfigError(
+                "data.val_split and data.val_from_train: set exactly one (a split's file, or a share of train)"
+            )
         if not self.spider_dir:
             raise ValueError("data.spider_dir is not set (set it, or VERL_SPIDER_DATA_DIR, to Spider's directory)")
         if self.generate is None and not Path(self.spider_dir).is_dir():
@@ -100,11 +116,30 @@ class SpiderData:
         """Spider's validation metric: execution accuracy."""
         return ExecMatch()
 
+    def _carved(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(train, val): train's file, less the share carved out for validation when `val_from_train` is set."""
+        tasks = load_split(self.prepare(), self.train_split, self.val_subset_field)
+        if self.val_from_train is None:
+            return tasks, []
+        val, train = stratified_split(tasks, self.val_from_train, self.split_seed, "val")
+        return train, val
+
     def train_tasks(self) -> list[dict[str, Any]]:
-        return load_split(self.prepare(), self.train_split)
+        return self._carved()[0]
 
     def val_tasks(self) -> list[dict[str, Any]]:
-        tasks = load_split(self.prepare(), self.val_split, self.val_subset_field)
-        if self.val_subset_field is not None and not any(SUBSET in t for t in tasks):
-            raise ConfigError(f"data.val_subset_field={self.val_subset_field}: no {self.val_split} record has it")
+        if self.val_split is None:
+            tasks = self._carved()[1]
+        else:
+            tasks = self._checked(load_split(self.prepare(), self.val_split, self.val_subset_field), self.val_split)
         return tasks[: self.val_limit] if self.val_limit else tasks
+
+    def test_tasks(self) -> list[dict[str, Any]]:
+        if self.test_split is None:
+            return []
+        return self._checked(load_split(self.prepare(), self.test_split, self.val_subset_field), self.test_split)
+
+    def _checked(self, tasks: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+        if self.val_subset_field is not None and not any(SUBSET in t for t in tasks):
+            raise ConfigError(f"data.val_subset_field={self.val_subset_field}: no {split} record has it")
+        return tasks

@@ -2,7 +2,8 @@
 
 Layout written into ``out_dir``::
 
-    train_spider.json, dev.json        # [{"db_id", "question", "query"}, ...]; dev's also "held_out" (below)
+    train_spider.json, dev.json, test.json   # [{"db_id", "question", "query"}, ...]; dev's and test's also
+                                             # "held_out" (below)
     tables.json                        # Spider-style schema descriptions
     database/<db_id>/<db_id>.sqlite
     database/<db_id>/schema.sql        # the CREATE TABLE statements used to build the db
@@ -16,7 +17,10 @@ about things the train split never mentions where possible. Each dev question sa
 combination, about an entity no train question names) or ``value`` (a trained combination, with a threshold or count
 no train question uses).
 
-Usage: ``python -m data.spider_mini OUT_DIR [--seed S --n-train N --n-dev M]``.
+Dev (for tuning) and test (for the verdict) are drawn together from the held-out pool and split between them
+stratified by what a question holds out and its SQL skeleton (`data.splits`), so the two ask the same mix.
+
+Usage: ``python -m data.spider_mini OUT_DIR [--seed S --n-train N --n-dev M --n-test K]``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-GENERATOR_VERSION = 2  # 2: dev questions say what they hold out
+from data.splits import sql_skeleton, stratified_split
+
+GENERATOR_VERSION = 3  # 2: dev questions say what they hold out; 3: a test split beside dev
 
 N_MAIN_ROWS = 30
 N_CHILD_ROWS = 45
@@ -46,7 +52,7 @@ MAX_PAIRS_PER_COMBO = 100  # caps the BETWEEN template, which would otherwise do
 HELD_OUT_COMBINATION, HELD_OUT_ENTITY, HELD_OUT_VALUE = "combination", "entity", "value"
 
 _META_FILE = "_meta.json"
-_JSON_FILES = ("train_spider.json", "dev.json", "tables.json")
+_JSON_FILES = ("train_spider.json", "dev.json", "test.json", "tables.json")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -588,6 +594,11 @@ def _is_empty(rows: list[tuple[Any, ...]]) -> bool:
     return not rows or all(v is None for row in rows for v in row)
 
 
+def _held_out_kind(record: dict[str, str]) -> str:
+    """What splits dev from test evenly: what the question holds out, then its database and SQL skeleton."""
+    return f"{record['held_out']}|{record['db_id']}|{sql_skeleton(record['query'])}"
+
+
 def _sample(
     pool: dict[tuple[str, str, str], list[dict[str, str]]], n: int, rng: random.Random, exclude: set[str]
 ) -> list[dict[str, str]]:
@@ -673,8 +684,8 @@ def _build_pools(
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _params(seed: int, n_train: int, n_dev: int) -> dict[str, int]:
-    return {"generator_version": GENERATOR_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev}
+def _params(seed: int, n_train: int, n_dev: int, n_test: int) -> dict[str, int]:
+    return {"generator_version": GENERATOR_VERSION, "seed": seed, "n_train": n_train, "n_dev": n_dev, "n_test": n_test}
 
 
 def _is_complete(out_dir: Path, params: dict[str, int]) -> bool:
@@ -697,7 +708,7 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_dataset(root: Path, seed: int, n_train: int, n_dev: int) -> dict[str, Any]:
+def _write_dataset(root: Path, seed: int, n_train: int, n_dev: int, n_test: int) -> dict[str, Any]:
     pools_train: dict[tuple[str, str, str], list[dict[str, str]]] = {}
     pools_dev: dict[tuple[str, str, str], list[dict[str, str]]] = {}
     combos = [(s.db_id, t, c) for s in _SPECS for t, (_, sel, _) in TEMPLATES.items() for c in _columns(s, sel)]
@@ -710,14 +721,20 @@ def _write_dataset(root: Path, seed: int, n_train: int, n_dev: int) -> dict[str,
         pools_dev.update(dv)
     train = _sample(pools_train, n_train, random.Random(f"{seed}:train"), exclude=set())
     train_keys = {r["db_id"] + "\x00" + r["question"] for recs in pools_train.values() for r in recs}
-    dev = _sample(pools_dev, n_dev, random.Random(f"{seed}:dev"), exclude=train_keys)
+    held_out = _sample(pools_dev, n_dev + n_test, random.Random(f"{seed}:dev"), exclude=train_keys)
+    if n_test == 0:
+        dev, test = held_out, []
+    else:
+        dev, test = stratified_split(held_out, n_dev / (n_dev + n_test), seed, "dev-test", _held_out_kind)
     _write_json(root / "train_spider.json", train)
     _write_json(root / "dev.json", dev)
+    _write_json(root / "test.json", test)
     _write_json(root / "tables.json", [_tables_entry(s) for s in _SPECS])
     meta = {
-        "params": _params(seed, n_train, n_dev),
+        "params": _params(seed, n_train, n_dev, n_test),
         "n_train_written": len(train),
         "n_dev_written": len(dev),
+        "n_test_written": len(test),
         "n_train_available": len(train_keys),
         "n_dev_available": len({r["question"] for recs in pools_dev.values() for r in recs}),
         "n_templates": len(TEMPLATES),
@@ -737,21 +754,21 @@ def _remove_previous(out_dir: Path) -> None:
         raise FileExistsError(f"{out_dir} exists and is not a directory")
 
 
-def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 2000, n_dev: int = 100) -> Path:
+def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 2000, n_dev: int = 100, n_test: int = 100) -> Path:
     """Write the dataset into out_dir (atomically: build in a temp dir next to it, then rename) and return out_dir.
 
     If out_dir already holds a complete dataset written with the same parameters (``_meta.json`` with the params and
     GENERATOR_VERSION), return immediately without rewriting.
     """
     out_dir = Path(out_dir)
-    params = _params(seed, n_train, n_dev)
+    params = _params(seed, n_train, n_dev, n_test)
     if _is_complete(out_dir, params):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700
-        _write_dataset(tmp, seed, n_train, n_dev)
+        _write_dataset(tmp, seed, n_train, n_dev, n_test)
         if out_dir.exists():
             if _is_complete(out_dir, params):  # another process finished first
                 return out_dir
@@ -773,11 +790,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-train", type=int, default=2000)
     ap.add_argument("--n-dev", type=int, default=100)
+    ap.add_argument("--n-test", type=int, default=100)
     args = ap.parse_args(argv)
-    out = generate(args.out_dir, seed=args.seed, n_train=args.n_train, n_dev=args.n_dev)
+    out = generate(args.out_dir, seed=args.seed, n_train=args.n_train, n_dev=args.n_dev, n_test=args.n_test)
     meta = json.loads((out / _META_FILE).read_text(encoding="utf-8"))
     print(
-        f"{out}: {meta['n_train_written']} train / {meta['n_dev_written']} dev pairs "
+        f"{out}: {meta['n_train_written']} train / {meta['n_dev_written']} dev / {meta['n_test_written']} test pairs "
         f"({meta['n_train_available']} / {meta['n_dev_available']} available), {meta['n_templates']} templates"
     )
 

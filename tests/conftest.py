@@ -24,7 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # A GRPO run small enough for a test (conf/experiment/smoke.yaml: 5 SFT steps, 2 tasks x 2 rollouts, 2 steps) with the
 # Spider agent's multi-turn path (check, rewrite: tool text between turns masked from the loss) on a small data set.
-FAST_RUN = ["experiment=smoke", "agent.check_step=true", "data.generate.n_train=120", "data.generate.n_dev=8"]
+FAST_RUN = [
+    "experiment=smoke",
+    "agent.check_step=true",
+    "data.generate.n_train=120",
+    "data.generate.n_dev=8",
+    "data.generate.n_test=8",
+]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -44,14 +50,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def spider_mini_dir(cache_dir: Path) -> Path:
     from data import spider_mini
 
-    return spider_mini.generate(cache_dir / "spider_mini", seed=0, n_train=120, n_dev=8)
+    return spider_mini.generate(cache_dir / "spider_mini", seed=0, n_train=120, n_dev=8, n_test=8)
 
 
 @pytest.fixture(scope="session")
 def med_qa_dir(cache_dir: Path) -> Path:
     from data import med_qa
 
-    return med_qa.generate(cache_dir / "med_qa", seed=0, n_train=40, n_val=10)
+    return med_qa.generate(cache_dir / "med_qa", seed=0, n_train=40, n_val=10, n_test=10)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from tests.conftest import ROOT, serve
 
 def parts_for(agent: str, data_dir: Path) -> dict[str, Any]:
     key = {"spider_sql": "data.spider_dir", "med_sql": "data.data_dir", "dbbench": "data.data_dir"}[agent]
-    extra = ["data.val_size=8"] if agent == "dbbench" else []
+    extra = ["data.val_size=8", "data.test_size=4"] if agent == "dbbench" else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"agent={agent}", f"{key}={data_dir}", "data.generate=null", *extra])
     return build_components(cfg)

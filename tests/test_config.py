@@ -260,8 +260,8 @@ FREE_TEXT = {
     "DevBackend": {"agent", "store_address", "base_url", "model", "api_key_env"},
     "TRLBackend": {"device"},  # a torch device: auto, cpu, cuda, cuda:1, ...
     "DBBenchData": {"data_dir", "entry_file"},
-    "MedQAData": {"data_dir", "train_split", "val_split"},  # a split is any <name>.parquet there
-    "SpiderData": {"spider_dir", "train_split", "val_split", "val_subset_field"},  # splits: train, dev, a file
+    "MedQAData": {"data_dir", "train_split", "val_split", "test_split"},  # a split is any <name>.parquet there
+    "SpiderData": {"spider_dir", "train_split", "val_split", "test_split", "val_subset_field"},  # train, dev, a file
     "SFTWarmstart": {"cache_dir"},
     "Endpoint": {"base_url", "model", "api_key_env"},
     "HubModel": {"hub_id", "path"},

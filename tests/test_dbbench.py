@@ -182,17 +182,20 @@ def test_concurrent_rollouts_write_only_their_own_copy(agent: DBBenchAgent, task
 def test_eval_accuracy_follows_the_answers(
     answers: str, dbbench_dir: Path, cache_dir: Path, tmp_path: Path, tasks: list[dict[str, Any]]
 ) -> None:
-    by_instruction = {t["question"]: t for t in tasks}
-
-    def script(messages: list[dict[str, Any]]) -> Reply:
-        task = next(t for q, t in by_instruction.items() if messages[1]["content"].startswith(q))
+    def script(messages: list[dict[str, Any]]) -> Reply:  # two tasks may ask the same words of other tables
+        prompt = messages[1]["content"]
+        task = next(
+            t
+            for t in tasks
+            if prompt.startswith(t["question"]) and json.dumps(t["table_info"], ensure_ascii=False) in prompt
+        )
         if answers == "wrong":
             return say(
                 operation(f"DELETE FROM {task['db_id']}") if turn(messages) == 0 else "Action: Answer\nFinal Answer: []"
             )
         return say(operation(task["query"]) if turn(messages) == 0 else answer(task))
 
-    args = ["agent=dbbench", "data.generate.n=28", "data.val_size=10"]
+    args = ["agent=dbbench", "data.generate.n=28", "data.val_size=10", "data.test_size=4"]
     summary, _ = run_eval(scripted_app(script), args, cache_dir, tmp_path)
     assert summary["n"] == 10 and summary["errors"] == 0
     assert summary["accuracy"] == (1.0 if answers == "gold" else 0.0)

@@ -177,7 +177,7 @@ def wrong_script(messages: list[dict[str, Any]]) -> Reply:
 def test_eval_accuracy_follows_the_answers(answers: str, med_qa_dir: Path, cache_dir: Path, tmp_path: Path) -> None:
     tasks = med_qa.load_split(med_qa_dir, "val")
     script = gold_script({t["question"]: t["query"] for t in tasks}) if answers == "gold" else wrong_script
-    args = ["agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10"]
+    args = ["agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10", "data.generate.n_test=10"]
     summary, run_dir = run_eval(scripted_app(script), args, cache_dir, tmp_path)
     assert summary["n"] == 10 and summary["errors"] == 0
     assert summary["accuracy"] == (1.0 if answers == "gold" else 0.0)

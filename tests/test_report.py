@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import yaml
+from scipy import stats
 
 from analysis import report
 from analysis.runs import load_wandb
@@ -242,7 +243,7 @@ def write_arm(path: Path, arm: str, seed: int, val_final: float, subsets: dict[s
     [
         ((0.62, 0.64, 0.66), (0.54, 0.55, 0.56), "**better than the control, beyond noise**"),
         ((0.50, 0.56, 0.62), (0.53, 0.55, 0.57), "**inside noise**"),
-        ((0.40, 0.41, 0.42), (0.54, 0.55, 0.56), "**worse than the control, beyond noise**"),
+        ((0.40, 0.42, 0.43), (0.54, 0.55, 0.56), "**worse than the control, beyond noise**"),
     ],
 )
 def test_a_treatment_is_judged_against_its_control(
@@ -262,7 +263,8 @@ def test_a_treatment_is_judged_against_its_control(
     mean = sum(grpo) / 3 * 100
     expected = f"{mean:.1f} ± " if len(set(grpo)) > 1 else f"{mean:.1f}"
     assert len(lines) == 1 and lines[0].startswith(f"- algorithm=grpo against the control: {expected}")
-    assert lines[0].endswith(f"{verdict}. Training GPU-seconds per run: 181 vs 181.")
+    assert f"{verdict}; paired (3 pairs), it could detect |Δ| ≥ " in lines[0]  # seeds 0-2 in both arms, one start
+    assert lines[0].endswith(" with 80% power. Training GPU-seconds per run: 181 vs 181.")
     diff = (sum(grpo) - sum(control)) / 3 * 100
     assert f"Δ {diff:+.1f} [" in lines[0]
     rows = table_rows(out_tables(md)["algorithm"])
@@ -278,8 +280,9 @@ def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> 
     sweep = tmp_path / "learning"
     runs = [("grpo", 0.50, 0.30, 0.44), ("grpo", 0.56, 0.32, 0.48), ("grpo", 0.62, 0.31, 0.52)]
     runs += [("sft_control", 0.53, 0.10, 0.34), ("sft_control", 0.55, 0.11, 0.38), ("sft_control", 0.57, 0.12, 0.42)]
-    for num, (arm, val, entity, value) in enumerate(runs):
-        write_arm(sweep / str(num), arm, num % 3, val, {"combination": 0.05, "entity": entity, "value": value})
+    for num, (arm, val, entity, value) in enumerate(runs):  # the control's seeds differ: Welch's test, not paired
+        seed = num % 3 + (10 if arm == "sft_control" else 0)
+        write_arm(sweep / str(num), arm, seed, val, {"combination": 0.05, "entity": entity, "value": value})
     # runs from before subsets were logged count in the overall verdict, not in the subsets' ones
     write_arm(tmp_path / "older" / "0", "grpo", 3, 0.56)
     write_arm(tmp_path / "older" / "1", "sft_control", 3, 0.55)
@@ -292,11 +295,11 @@ def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> 
     assert "(n=4) vs 55.0 ± " in lines[0] and "inside noise" in lines[0]
     assert all(line.count("(n=3)") == 2 for line in lines[1:])
     assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
-    assert lines[1].endswith(": **inside noise**. Training GPU-seconds per run: 181 vs 181.")
+    assert lines[1].endswith(": **inside noise**. Training GPU-seconds per run: 181 vs 181.")  # no spread: no power
     assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
     assert "Δ +20.0 [" in lines[2] and "**better than the control, beyond noise**" in lines[2]
     # +10 points at a spread of 4: beyond noise at 95% (Welch: [+0.9, +19.1]), not at 98.3%
-    assert lines[3].startswith("- `value` questions:") and "Δ +10.0 [-2.9, +22.9]: **inside noise**" in lines[3]
+    assert lines[3].startswith("- `value` questions:") and "Δ +10.0 [-2.9, +22.9]: **inside noise**; Welch" in lines[3]
     cells = table_rows(out_tables(md)["All cells"])
     assert [r["val_final:entity"] for r in cells] == ["11.0 ± 2.5 (n=3)", "31.0 ± 2.5 (n=3)"]
 
@@ -312,3 +315,34 @@ def test_a_metric_the_control_does_not_log_gets_no_verdict(tmp_path: Path) -> No
         write_arm(tmp_path / "learning" / str(num), arm, seed, 0.5 + seed / 100)
     md = (report.main([str(tmp_path / "learning"), "--metric", "reward_final"]) / "report.md").read_text()
     assert "**no verdict (an arm has no `reward_final`)**" in out_tables(md)["Treatment against control"]
+
+
+def test_paired_runs_are_compared_pair_by_pair_and_the_detectable_effect_is_stated(tmp_path: Path) -> None:
+    """Seeds 0-3 in both arms from one warm start: the per-seed differences (-3, +1, +5, +1 points) are tested, not
+    the arms' spreads; the smallest effect detectable at 80% power is (t(0.975, 3) + t(0.8, 3)) x sd / sqrt(4)."""
+    grpo, control = (0.50, 0.56, 0.62, 0.58), (0.53, 0.55, 0.57, 0.57)
+    for num, (arm, seed, value) in enumerate(
+        [("grpo", s, v) for s, v in enumerate(grpo)] + [("sft_control", s, v) for s, v in enumerate(control)]
+    ):
+        write_arm(tmp_path / "paired" / str(num), arm, seed, value)
+    md = (report.main([str(tmp_path / "paired")]) / "report.md").read_text()
+    line = next(x for x in out_tables(md)["Treatment against control"].splitlines() if x.startswith("- "))
+    d = [g - c for g, c in zip(grpo, control, strict=True)]
+    sd = pd.Series(d).std()
+    detectable = (stats.t.ppf(0.975, 3) + stats.t.ppf(0.8, 3)) * sd / 2
+    ci = stats.ttest_1samp(d, 0.0).confidence_interval(0.95)
+    assert f"Δ +1.0 [{ci.low * 100:+.1f}, {ci.high * 100:+.1f}]: **inside noise**; paired (4 pairs)" in line
+    assert f"it could detect |Δ| ≥ {detectable * 100:.1f} with 80% power" in line
+
+
+def test_a_folder_of_sweeps_is_read_whole(tmp_path: Path) -> None:
+    """`results/<experiment>/runs/<sweep>/<job>`: every sweep's runs, and each sweep's jobs that never started."""
+    for sweep, seeds in (("s0", (0, 1)), ("s1", (2, 3))):
+        root = tmp_path / "runs" / sweep
+        root.mkdir(parents=True)
+        task = ["algorithm=grpo,sft_control", f"seed={seeds[0]},{seeds[1]}"]
+        (root / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": task}, "sweeper": {}}}))
+        for num, (arm, seed) in enumerate([(a, s) for a in ("grpo", "sft_control") for s in seeds][:3]):
+            write_arm(root / str(num), arm, seed, 0.5)
+    built, _ = report.build(report.load([str(tmp_path)]))
+    assert sorted(built.runs.status) == ["completed"] * 6 + ["not started"] * 2

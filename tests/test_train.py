@@ -121,8 +121,12 @@ def test_a_two_seed_sweep_gives_one_run_directory_each(cache_dir: Path, tmp_path
 # would replace the data a fixture's tests read (test_dbbench read 40 entries for its 28 when this ran first).
 # Each: its overrides, and the training and validation tasks they give.
 OTHER_AGENTS = {
-    "med_sql": (["agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10"], 40, 10),
-    "dbbench": (["agent=dbbench", "data.generate.n=28", "data.val_size=6"], 22, 6),
+    "med_sql": (
+        ["agent=med_sql", "data.generate.n_train=40", "data.generate.n_val=10", "data.generate.n_test=10"],
+        40,
+        10,
+    ),
+    "dbbench": (["agent=dbbench", "data.generate.n=28", "data.val_size=6", "data.test_size=4"], 18, 6),
 }
 
 
@@ -215,12 +219,16 @@ def test_sigterm_during_the_warm_start_leaves_an_interrupted_summary_that_status
     assert "1 interrupted" in table and "warm start (SFT)" in table and "resume: python launch.py" in table
 
 
+CONTROL_FLOPS = 4e11  # a few SFT steps of the smoke run's tiny model (~8e10 FLOPs a step)
+
+
 @pytest.mark.integration
-def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time_budget(
+def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budget(
     cache_dir: Path, tmp_path: Path
 ) -> None:
     """experiment=learn_gpu's machinery on CPU: GRPO under a time budget builds the shared warm start; the control
-    (algorithm=sft_control) reuses the very same weights, trains SFT for its budget and is validated like GRPO."""
+    (algorithm=sft_control) reuses the very same weights, trains SFT for its FLOPs budget and is validated like GRPO;
+    both count their compute alike."""
     shared = [*FAST_RUN, "warmstart.shared=true", "warmstart.seed=0", "algorithm.max_prompt_length=512"]
     grpo_dir, control_dir = tmp_path / "grpo", tmp_path / "control"
     # a budget spent by the first step: GRPO stops there (not at max_steps) and validates as at the end
@@ -243,7 +251,8 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time
             *shared,
             "seed=2",
             "algorithm=sft_control",
-            "algorithm.time_budget_s=2",
+            f"algorithm.flops_budget={CONTROL_FLOPS}",
+            "algorithm.max_steps=-1",  # the budget alone ends it
             "algorithm.sft_val_every=2",
             f"hydra.run.dir={control_dir}",
         ],
@@ -262,6 +271,12 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time
 
     steps = metrics_of(grpo_dir)
     assert [m["step"] for m in steps] == [0, 1] and first["grpo"]["steps"] == 1
+    # compute: 6N per trained token, 2N per scored (the IS correction's forward) and per generated token
+    n, step = first["grpo"]["compute"]["parameters"], steps[-1]
+    assert step["compute/trained_tokens"] > 0 and step["compute/generated_tokens"] > 0
+    assert step["compute/forward_only_tokens"] == step["compute/trained_tokens"]  # algorithm.is_correction is on
+    flops = n * (6 * step["compute/trained_tokens"] + 2 * step["compute/forward_only_tokens"])
+    assert step["compute/flops"] == flops + 2 * n * step["compute/generated_tokens"]
     assert steps[-1]["train/learning_rate"] == 0  # the first step of a warm-up from 0 (transformers' schedule)
     assert "val/accuracy" in steps[-1] and first["grpo"]["train_s"] == steps[-1]["train/elapsed_s"]
 
@@ -270,5 +285,8 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_time
     assert all({"val/accuracy", "sft/loss"} <= m.keys() for m in lines[1:])
     assert [m["step"] % 2 for m in lines[1:-1]] == [0] * (len(lines) - 2)  # every sft_val_every steps, and the end
     assert second["sft_control"]["train_s"] == lines[-1]["train/elapsed_s"]
+    # the FLOPs budget ends the control at the first step end past it: no step logged before it had spent it
+    assert lines[-1]["compute/flops"] >= CONTROL_FLOPS > max(m["compute/flops"] for m in lines[1:-1])
+    assert lines[-1]["compute/flops"] == 6 * n * lines[-1]["compute/trained_tokens"] and lines[-1]["step"] >= 3
     assert second["sft_control"]["steps"] == lines[-1]["step"] and "val_final" in second
     assert "val accuracy after more SFT" in control.stdout and "SFT reused" in control.stdout

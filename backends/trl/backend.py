@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import random
 import statistics
 import time
@@ -33,12 +34,14 @@ from trl import GRPOConfig
 
 from agent.rollout import EvalSummary
 from backends.algorithm import GRPO, SFTControl
+from backends.compute import ComputeCount
 from backends.setup import TrainSetup
 from backends.trl.fsdp import SHARDINGS, fsdp_arguments
 from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised
 from backends.trl.trainer import AgentGRPOTrainer
+from data.splits import KIND, held_out_text_in, kind_distance
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.ranks import is_main, local_rank, started_by_launcher, world_size
@@ -118,11 +121,14 @@ class TRLBackend:
         warm_seed = setup.warmstart.seed if warm and setup.warmstart.seed is not None else setup.seed
         with first:
             train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
-            warm_tasks, train_tasks = setup.warmstart.split(train_tasks) if warm else ([], train_tasks)
+            test_tasks = setup.data.test_tasks()
+            all_train, split_seed = train_tasks, setup.data.split_seed
+            warm_tasks, train_tasks = setup.warmstart.split(train_tasks, split_seed) if warm else ([], train_tasks)
             demos = setup.warmstart.demonstrations(setup.agent, warm_tasks, warm_seed) if warm else []
-            corpus = [text for demo in demos for text in demonstration_texts(demo)]
-            corpus = (corpus or [t["query"] for t in train_tasks]) + [t["question"] for t in val_tasks]
-            source = setup.model.prepare(corpus)
+            source = setup.model.prepare(training_corpus(demos, train_tasks, val_tasks + test_tasks, all_train))
+            test_tasks = test_tasks if algo.test_at_end else []
+        if is_main():
+            write_splits(run.path / "splits.json", split_seed, warm_tasks, train_tasks, val_tasks, test_tasks)
         metric = setup.data.metric()
         compute_dtype = setup.model.compute_dtype(device)  # the model's as loaded (FSDP2 keeps fp32 masters beside)
         resume_from = last_complete_checkpoint(run.checkpoints)
@@ -133,6 +139,7 @@ class TRLBackend:
             "train_tasks": len(train_tasks),
             "warmstart_tasks": len(warm_tasks),
             "val_tasks": len(val_tasks),
+            "test_tasks": len(test_tasks),
         }
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
@@ -146,17 +153,21 @@ class TRLBackend:
                 server.engine.sleep()
                 return {}
             phase, run.phase = run.phase, f"validation ({name})"
-            summary, rollouts = validate_policy(
-                setup.agent, val_tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s
-            )
+            splits = {"val": val_tasks} | ({"test": test_tasks} if name == "final" and test_tasks else {})
+            tasks = [task for split_tasks in splits.values() for task in split_tasks]  # one batch; test: at the end
+            start = time.monotonic()
+            _, rollouts = validate_policy(setup.agent, tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s)
             server.engine.release()  # the validation batch's KV cache would otherwise stay through training
-            run.write_samples(f"val_{name}", [r.record() for r in rollouts[: self.samples_per_validation]])
-            subsets = EvalSummary.per_subset(rollouts)
-            results[f"val_{name}"] = vars(summary) | ({"subsets": subsets} if subsets else {})
+            wall_s, metrics, done = time.monotonic() - start, {}, 0
+            for split, split_tasks in splits.items():
+                mine, done = rollouts[done : done + len(split_tasks)], done + len(split_tasks)
+                run.write_samples(f"{split}_{name}", [r.record() for r in mine[: self.samples_per_validation]])
+                summary, subsets = EvalSummary.of(mine, wall_s), EvalSummary.per_subset(mine)
+                results[f"{split}_{name}"] = vars(summary) | ({"subsets": subsets} if subsets else {})
+                metrics |= {f"{split}/{k}": v for k, v in vars(summary).items()}
+                for subset, scores in subsets.items():
+                    metrics |= {f"{split}/{subset}/accuracy": scores["accuracy"], f"{split}/{subset}/n": scores["n"]}
             run.phase = phase
-            metrics = {f"val/{k}": v for k, v in vars(summary).items()}
-            for subset, scores in subsets.items():
-                metrics |= {f"val/{subset}/accuracy": scores["accuracy"], f"val/{subset}/n": scores["n"]}
             return metrics
 
         max_length = algo.max_prompt_length + algo.max_response_length
@@ -188,6 +199,7 @@ class TRLBackend:
             raise RuntimeError(f"resuming from {resume_from}: its warm start {sft_dir} is gone (build it again first)")
         if model is None:
             model = setup.model.load_model(str(sft_dir) if warm else source, device)
+        compute = ComputeCount(model.num_parameters(), 4 if setup.finetune.peft_config() is not None else 6)
         if resume_from is None:
             initial = validation(model, "after_sft" if warm else "initial")
             if is_main():
@@ -201,7 +213,7 @@ class TRLBackend:
         if isinstance(algo, SFTControl):  # on the tasks GRPO would train on: the warm start's, or the others
             if warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
-            return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length)
+            return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length, compute)
 
         server = self._server(model, tokenizer, setup)
         rollout_func = AgentRollouts(
@@ -221,14 +233,15 @@ class TRLBackend:
             processing_class=tokenizer,
             peft_config=setup.finetune.peft_config(),
             rollout_func=rollout_func,
-            callbacks=[step_log := _StepLog(setup, rollout_func, validation), _StopAtStepEnd()],
+            callbacks=[step_log := _StepLog(setup, rollout_func, validation, compute), _StopAtStepEnd()],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
         )
         step_log.phase_s = trainer.phase_s
         step_log.nonfinite_steps = lambda: trainer.nonfinite_steps
-        if resume_from is not None:  # the time budget counts the training before the restart
+        if resume_from is not None:  # the budgets count the training before the restart
             step_log.train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)
+            compute.restore(run.metrics())
         show_progress(trainer, "GRPO")
         start = time.monotonic()
         run.phase = "GRPO"
@@ -242,6 +255,7 @@ class TRLBackend:
             "steps": trainer.state.global_step,
             "wall_s": time.monotonic() - start,
             "train_s": step_log.train_s,
+            "compute": compute.summary(),
         }
         if started_by_launcher():  # how the ranks held the model, read off it (not the setting)
             results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
@@ -263,13 +277,14 @@ class TRLBackend:
         validation: Any,
         use_bf16: bool,
         max_length: int,
+        compute: ComputeCount,
     ) -> dict[str, Any]:
         """The control arm: the warm start's SFT goes on, on the same demonstrations, for the time budget (or
         `max_steps`), validated every `sft_val_every` SFT steps and at the end like GRPO. Not resumable: a run started
         again begins at the warm start."""
         run, algo = setup.run, setup.algorithm
         assert isinstance(algo, SFTControl)
-        budget = _Budget(setup, validation)
+        budget = _Budget(setup, validation, compute)
         trainer = supervised(
             model,
             tokenizer,
@@ -285,6 +300,7 @@ class TRLBackend:
             max_length=max_length,
             callbacks=[budget],
         )
+        budget.tokens_seen = lambda: trainer._total_train_tokens  # TRL's count: every rank's non-padding tokens
         show_progress(trainer, "SFT control")
         run.phase = "SFT control"
         start = time.monotonic()
@@ -293,7 +309,14 @@ class TRLBackend:
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
         steps = trainer.state.global_step
-        return {"sft_control": {"steps": steps, "wall_s": time.monotonic() - start, "train_s": budget.train_s}}
+        return {
+            "sft_control": {
+                "steps": steps,
+                "wall_s": time.monotonic() - start,
+                "train_s": budget.train_s,
+                "compute": compute.summary(),
+            }
+        }
 
     def weights(self, device: str, dtype: torch.dtype) -> GenerationWeights:
         """What the engines generate from (the model, or its gathered copy in `dtype` when sharded): one a run."""
@@ -357,6 +380,40 @@ class TRLBackend:
 
 
 _UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
+
+
+def training_corpus(
+    demos: list[Any], rl_tasks: list[dict[str, Any]], held_out: list[dict[str, Any]], train: list[dict[str, Any]]
+) -> list[str]:
+    """What a model built here (the tiny one's tokenizer) is trained on: the demonstrations' text and the questions
+    of the tasks RL trains on (the policy reads them); without demonstrations, the training tasks' questions and gold
+    SQL. Never validation or test text: a held-out question found in it stops the run."""
+    corpus = [text for demo in demos for text in demonstration_texts(demo)] + [t["question"] for t in rl_tasks]
+    if not demos:
+        corpus += [t["query"] for t in rl_tasks]
+    if leaked := held_out_text_in(corpus, held_out, train):
+        raise RuntimeError(f"{len(leaked)} validation/test questions are in the training corpus, e.g. {leaked[0]!r}")
+    return corpus
+
+
+def write_splits(
+    path: Path,
+    seed: int,
+    warm: list[dict[str, Any]],
+    rl: list[dict[str, Any]],
+    val: list[dict[str, Any]],
+    test: list[dict[str, Any]],
+) -> None:
+    """`splits.json`: which task ids each phase trained or was scored on, and how alike the training phases' mixes of
+    task kinds are (total-variation distance; 0: the same mix), so that a reviewer can check the split."""
+    phases = {"warmstart": warm, "rl": rl, "val": val, "test": test}
+    record: dict[str, Any] = {
+        "split_seed": seed,
+        "phases": {name: [str(t["id"]) for t in tasks] for name, tasks in phases.items()},
+        "kinds": {name: len({t.get(KIND) for t in tasks}) for name, tasks in phases.items()},
+        "kind_distance_warmstart_rl": kind_distance(warm, rl, lambda t: str(t.get(KIND))) if warm else None,
+    }
+    path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
 def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype) -> None:
@@ -431,9 +488,11 @@ class _Budget(TrainerCallback):
     """The control arm's clock and log: training seconds (validation not counted); validates every `sft_val_every`
     SFT steps, and at the end (the time budget spent, or `max_steps`), where it stops training."""
 
-    def __init__(self, setup: TrainSetup, validate: Any) -> None:
+    def __init__(self, setup: TrainSetup, validate: Any, compute: ComputeCount) -> None:
         self.setup = setup
         self.validate = validate
+        self.compute = compute
+        self.tokens_seen: Callable[[], float] = lambda: 0.0  # the trainer's tokens so far
         self.train_s = 0.0
         self.loss: float | None = None
         self._since = time.perf_counter()
@@ -447,11 +506,13 @@ class _Budget(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
         self.train_s += time.perf_counter() - self._since
+        self.compute.trained = float(self.tokens_seen())
         algo, step = self.setup.algorithm, state.global_step
         budget = algo.time_budget_s
-        last = step == state.max_steps or (budget is not None and _agreed(self.train_s >= budget))
+        spent = (budget is not None and self.train_s >= budget) or self.compute.spent(algo.flops_budget)
+        last = step == state.max_steps or _agreed(spent)
         if last or step % algo.sft_val_every == 0:
-            metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss}
+            metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss, **self.compute.metrics()}
             start = time.perf_counter()
             metrics |= self.validate(model, "final" if last else f"step{step}")
             metrics["timing_s/validation"] = time.perf_counter() - start
@@ -473,10 +534,13 @@ class _StepLog(TrainerCallback):
     validation: when the step validated.
     """
 
-    def __init__(self, setup: TrainSetup, rollouts: AgentRollouts, validate: Any) -> None:
+    def __init__(self, setup: TrainSetup, rollouts: AgentRollouts, validate: Any, compute: ComputeCount) -> None:
         self.setup = setup
         self.rollouts = rollouts
         self.validate = validate
+        self.compute = compute  # every rank's tokens and FLOPs so far (`compute/*`)
+        algo = setup.algorithm
+        self.forward_passes = (algo.is_correction != "none") + (algo.kl_coef > 0)  # scoring, reference
         self.val_metrics: dict[str, float] = {}
         self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
         self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)
@@ -495,8 +559,15 @@ class _StepLog(TrainerCallback):
             self.stats = {k: statistics.mean(s[k] for s in shares if k in s) for k in keys}
         else:
             self.stats = self.rollouts.last_stats
-        step, budget = state.global_step, self.setup.algorithm.time_budget_s
-        out_of_time = budget is not None and _agreed(self.train_s >= budget)
+        tokens = _per_rank(self.rollouts.last_tokens)  # summed over ranks (a collective)
+        trained = sum(t.get("trained", 0) for t in tokens)
+        generated = sum(t.get("generated", 0) for t in tokens)
+        self.compute.add(trained=trained, generated=generated, forward_only=self.forward_passes * trained)
+        step, algo = state.global_step, self.setup.algorithm
+        spent = (algo.time_budget_s is not None and self.train_s >= algo.time_budget_s) or self.compute.spent(
+            algo.flops_budget
+        )
+        out_of_time = _agreed(spent)
         last = step == state.max_steps or out_of_time
         if step % self.setup.algorithm.val_every == 0 or last:
             start = time.perf_counter()
@@ -525,5 +596,6 @@ class _StepLog(TrainerCallback):
         }
         metrics["train/elapsed_s"] = self.train_s
         metrics["train/nonfinite_grad_steps"] = self.nonfinite_steps()
+        metrics |= self.compute.metrics()
         self.setup.run.log(state.global_step, metrics | self.stats | self._timings() | self.val_metrics)
         self.val_metrics = {}

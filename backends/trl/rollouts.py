@@ -124,6 +124,7 @@ class AgentRollouts:
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
         self.last_samples: list[Sample] = []
+        self.last_tokens: dict[str, int] = {}  # this rank's last phase: tokens sampled, and tokens it trains on
         self._counter = 0  # rollouts started on this rank over the run (they are named r0, r1, ...)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -149,6 +150,10 @@ class AgentRollouts:
                 )
         self.last_rollouts, self.last_samples = rollouts, samples
         trained = [s for s in samples if s.excluded is None]
+        self.last_tokens = {
+            "generated": sum(len(c.completion_ids) for calls in records for c in calls if c.sampled),
+            "trained": sum(len(s.prompt_ids) + len(s.completion_ids) for s in trained),
+        }
         self.last_stats = {
             "rollout/turns_mean": sum(r.trajectory.turns for r in rollouts) / n,
             "rollout/llm_calls_mean": sum(len(c) for c in records) / n,

@@ -30,6 +30,7 @@ from trl import SFTConfig, SFTTrainer
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
 from backends.trl.progress import show_progress
+from data.splits import stratified_split
 from foundation.errors import ConfigError
 from foundation.ranks import is_main, world_size
 from foundation.schema import number
@@ -57,19 +58,20 @@ class SFTWarmstart:
     rewrite_demo_fraction: float = number(0.2, ge=0, le=1)  # demonstrations with a wrong first query and its fix
     concurrency: int = number(64, gt=0)  # agent runs at once while demonstrations are collected
     seed: int | None = number(None, ge=0)  # the demonstrations' and the training's seed (None: the run's)
-    task_share: float = number(1.0, gt=0, le=1)  # of the training tasks, the first this share; the rest: GRPO's
+    task_share: float = number(1.0, gt=0, le=1)  # of the training tasks, this share (stratified); the rest: GRPO's
     shared: bool = False  # one checkpoint in cache_dir for every run asking for the same warm start (arms, seeds)
     cache_dir: str = ".cache/warmstarts"  # where shared warm starts are kept
 
-    def split(self, tasks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def split(self, tasks: list[dict[str, Any]], seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the warm start's tasks, the tasks GRPO and the control train on): all of them for both when `task_share`
-        is 1; else the first `task_share` of them, and the others, which the warm start never sees."""
+        is 1; else `task_share` of them, drawn with `seed` (`data.split_seed`) in the proportions of every kind of
+        task (`data.splits`), and the others, which the warm start never sees."""
         if self.task_share == 1:
             return tasks, tasks
-        cut = round(self.task_share * len(tasks))
-        if not 0 < cut < len(tasks):
+        warm, rest = stratified_split(tasks, self.task_share, seed, "warmstart")
+        if not warm or not rest:
             raise ConfigError(f"warmstart.task_share={self.task_share} of {len(tasks)} training tasks leaves one empty")
-        return tasks[:cut], tasks[cut:]
+        return warm, rest
 
     def demonstrations(self, agent: Agent, tasks: list[dict[str, Any]], seed: int) -> list[Demonstration]:
         """The agent's conversations on `tasks` against a scripted model that knows the answers."""
