@@ -116,6 +116,9 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "pair": f"seed={run.value('seed')} warm={warm_start_of(run)}",  # runs of one pair: the same start
                 "train_gpu_s": _train_gpu_s(run, gpus),
                 "tokens": _last(run.metrics, "train/num_tokens"),
+                "flops": _last(run.metrics, "compute/flops"),
+                "budget_s": run.value("algorithm.time_budget_s"),
+                "budget_flops": run.value("algorithm.flops_budget"),
                 "error": (run.error or "").splitlines()[0] if run.error else None,
                 "overrides": " ".join(run.overrides),
                 **subsets,
@@ -123,7 +126,7 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
         )
     table = pd.DataFrame(rows)
     numeric = ["val_initial", "val_final", "val_best", "test_final", "reward_final", "steps", "wall_s", "gpus"]
-    numeric += ["gpu_hours", "tokens"]
+    numeric += ["gpu_hours", "tokens", "flops", "budget_s", "budget_flops"]
     numeric += ["train_gpu_s", *subset_metrics(table)]
     table[numeric] = table[numeric].apply(pd.to_numeric)
     # controls first: the first value of a factor is its baseline, and a control is its factor's baseline
@@ -371,9 +374,19 @@ def _fmt_p(p: float | None) -> str:
 
 
 def _compute_line(treated: pd.DataFrame, control: pd.DataFrame) -> str:
-    """What each arm spent per run: training GPU-seconds, and training FLOPs where the runs count them."""
+    """What each arm spent per run (training GPU-seconds; training FLOPs where the runs count them) and which budget
+    the arms shared: FLOPs, training seconds, or none."""
     seconds = [_fmt_num(r.train_gpu_s.mean(), 0) for r in (treated, control)]
-    return f"Training GPU-seconds per run: {seconds[0]} vs {seconds[1]}."
+    line = f"Training GPU-seconds per run: {seconds[0]} vs {seconds[1]}"
+    if treated.flops.notna().any() or control.flops.notna().any():
+        flops = ["n/a" if r.flops.isna().all() else f"{r.flops.mean():.2e}" for r in (treated, control)]
+        line += f"; training FLOPs per run: {flops[0]} vs {flops[1]}"
+    both = pd.concat([treated, control])
+    for column, name, fmt in (("budget_flops", "FLOPs", "{:.2e}"), ("budget_s", "training seconds", "{:g} s")):
+        values = both[column]
+        if values.notna().all() and values.nunique() == 1:
+            return f"{line}; equal budget: {name} ({fmt.format(values.iloc[0])})."
+    return f"{line}; no budget shared by every run of both arms."
 
 
 def _label(factors: list[str], cell: tuple[Any, ...]) -> str:

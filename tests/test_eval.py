@@ -48,7 +48,8 @@ def scripted_server(gold: dict[str, str]) -> FastAPI:
 @pytest.fixture
 def server(spider_mini_dir: Path) -> Iterator[str]:
     dev = json.loads((spider_mini_dir / "dev.json").read_text())
-    with serve(scripted_server({r["question"]: r["query"] for r in dev})) as url:
+    test = json.loads((spider_mini_dir / "test.json").read_text())
+    with serve(scripted_server({r["question"]: r["query"] for r in dev + test})) as url:
         yield url
 
 
@@ -72,6 +73,21 @@ def test_eval_scores_every_task_and_keeps_going_past_a_failure(
     failed = records[FAILING_QUESTION_INDEX]
     assert failed["reward"] == 0.0 and "500" in failed["error"]
     assert all(r["reward"] == 1.0 for i, r in enumerate(records) if i != FAILING_QUESTION_INDEX)
+
+
+@pytest.mark.integration
+def test_eval_scores_the_test_split_when_asked(
+    server: str, spider_mini_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = ["job=eval", "job.split=test", *FAST_RUN, f"endpoint.base_url={server}"]
+    result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "eval" / "records.jsonl").read_text().splitlines()]
+    test = json.loads((spider_mini_dir / "test.json").read_text())
+    assert [r["question"] for r in records] == [t["question"] for t in test]
+    assert all(r["reward"] == 1.0 for r in records[:1]) and all(r["id"].startswith("test-") for r in records)
+    assert json.loads((run_dir / "summary.json").read_text())["split"] == "test"
 
 
 @pytest.mark.integration

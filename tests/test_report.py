@@ -18,7 +18,11 @@ from analysis.runs import load_wandb
 # The seed articles' Qwen2.5-Coder-3B results (validation accuracy, %) per (max prompt length, agent turns).
 SEED_RESULTS = {(2048, 1): 73.2, (2048, 3): 76.4, (4096, 1): 80.2, (4096, 3): 80.4}
 CHECK_STEP_RESULT = 77.6  # with the check step, at 4096 / 3 turns
-SPREAD = (-0.005, 0.0, 0.005)  # seeds 0, 1, 2 around the cell mean: sd 0.5 points
+SPREAD = (-0.005, 0.0, 0.005)
+# what each verdict line of `write_arm`'s runs ends with
+COST = "Training GPU-seconds per run: 181 vs 181; training FLOPs per run: 1.81e+15 vs 1.81e+15; " + (
+    "equal budget: training seconds (180 s)."
+)  # seeds 0, 1, 2 around the cell mean: sd 0.5 points
 
 
 def write_run(
@@ -222,12 +226,13 @@ def write_arm(path: Path, arm: str, seed: int, val_final: float, subsets: dict[s
     overrides = [f"algorithm={arm}", f"seed={seed}"]
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "algorithm": {"name": arm}}))
+    config = {"seed": seed, "algorithm": {"name": arm, "time_budget_s": 180.0}}
+    (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     choices = {"algorithm": arm, "experiment": "learn_gpu"}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
     lines: list[dict[str, Any]] = [{"step": 0, "val/accuracy": 0.5}]
     for step, elapsed in ((10, 90.0), (20, 181.0)):
-        line: dict[str, Any] = {"step": step, "train/elapsed_s": elapsed}
+        line: dict[str, Any] = {"step": step, "train/elapsed_s": elapsed, "compute/flops": elapsed * 1e13}
         line |= {"val/accuracy": val_final if step == 20 else 0.52}
         line |= {f"val/{k}/accuracy": v for k, v in (subsets or {}).items() if step == 20}
         line |= {f"val/{k}/n": 100 for k in (subsets or {}) if step == 20}
@@ -264,7 +269,7 @@ def test_a_treatment_is_judged_against_its_control(
     expected = f"{mean:.1f} ± " if len(set(grpo)) > 1 else f"{mean:.1f}"
     assert len(lines) == 1 and lines[0].startswith(f"- algorithm=grpo against the control: {expected}")
     assert f"{verdict}; paired (3 pairs), it could detect |Δ| ≥ " in lines[0]  # seeds 0-2 in both arms, one start
-    assert lines[0].endswith(" with 80% power. Training GPU-seconds per run: 181 vs 181.")
+    assert lines[0].endswith(" with 80% power. " + COST)
     diff = (sum(grpo) - sum(control)) / 3 * 100
     assert f"Δ {diff:+.1f} [" in lines[0]
     rows = table_rows(out_tables(md)["algorithm"])
@@ -295,7 +300,7 @@ def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> 
     assert "(n=4) vs 55.0 ± " in lines[0] and "inside noise" in lines[0]
     assert all(line.count("(n=3)") == 2 for line in lines[1:])
     assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
-    assert lines[1].endswith(": **inside noise**. Training GPU-seconds per run: 181 vs 181.")  # no spread: no power
+    assert lines[1].endswith(": **inside noise**. " + COST)  # no spread: no power
     assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
     assert "Δ +20.0 [" in lines[2] and "**better than the control, beyond noise**" in lines[2]
     # +10 points at a spread of 4: beyond noise at 95% (Welch: [+0.9, +19.1]), not at 98.3%
@@ -346,3 +351,15 @@ def test_a_folder_of_sweeps_is_read_whole(tmp_path: Path) -> None:
             write_arm(root / str(num), arm, seed, 0.5)
     built, _ = report.build(report.load([str(tmp_path)]))
     assert sorted(built.runs.status) == ["completed"] * 6 + ["not started"] * 2
+
+
+def test_the_verdict_names_the_budget_both_arms_shared() -> None:
+    def arm(budget_flops: float | None, budget_s: float | None) -> pd.DataFrame:
+        row = {"train_gpu_s": 150.0, "flops": 2e15, "budget_flops": budget_flops, "budget_s": budget_s}
+        return pd.DataFrame([row, row], dtype=float)
+
+    assert report._compute_line(arm(2e15, None), arm(2e15, 150)).endswith("; equal budget: FLOPs (2.00e+15).")
+    assert report._compute_line(arm(None, 150), arm(None, 150)).endswith("; equal budget: training seconds (150 s).")
+    assert report._compute_line(arm(2e15, None), arm(None, 150)).endswith(
+        "; no budget shared by every run of both arms."
+    )
