@@ -114,3 +114,15 @@ class SFTControl(GRPO):
                 "algorithm=sft_control needs algorithm.time_budget_s or flops_budget (the treatment's compute) or "
                 "max_steps"
             )
+
+
+@dataclass
+class RFT(GRPO):
+    """Rejection-sampling fine-tuning (`algorithm=rft`), a control for GRPO with the same information: each step samples
+    `group_size` rollouts of `tasks_per_step` tasks from the current policy, as GRPO does, keeps those whose reward is
+    at least `accept_reward` and fine-tunes on their sampled tokens (the mean log-likelihood of the kept model tokens;
+    the others get no gradient). No baseline, no negative samples: what GRPO adds over learning from its own
+    successes. Every GRPO key applies (lengths, sampling, budgets, the importance-sampling correction)."""
+
+    name: str = "rft"
+    accept_reward: float = number(1.0, ge=0)  # a rollout with at least this reward is kept as a demonstration

@@ -19,7 +19,7 @@ from datasets import Dataset
 from agent.llm import OpenAIChat
 from agent.rollout import Rollout, run_rollouts
 from agent.trajectory import Trajectory
-from backends.algorithm import GRPO
+from backends.algorithm import GRPO, RFT
 from backends.trl.backend import TRLBackend, _passthrough_reward
 from backends.trl.rollouts import AgentRollouts, check_stats, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer, drop_nonfinite_gradients, importance_weights
@@ -137,6 +137,45 @@ def test_failed_rollouts_get_no_weight_and_do_not_shift_the_group_baseline(tiny:
             assert torch.allclose(advantages[row][model_tokens], torch.tensor(want[rid]), atol=1e-4)
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     assert metrics["sampling/logp_diff/max"] < 1e-4 and metrics["sampling/is_ratio/clipped_frac"] == 0
+
+
+def test_rejection_sampling_trains_on_the_accepted_rollouts_alone(tiny: tuple[Any, Any], tmp_path: Path) -> None:
+    """algorithm=rft: the same rollouts as GRPO; those with reward >= accept_reward (r0, r3, r6, r7) get advantage 1
+    on their model tokens, the others (wrong, failed, excluded) no loss token, and the loss is normalized by the kept
+    tokens: the gradient of their mean negative log-likelihood."""
+    model, tokenizer = tiny
+    algo = RFT(group_size=GROUP, tasks_per_step=2, micro_batch_size=8, max_prompt_length=256, max_response_length=96)
+    reward = TableReward()
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=256, max_response_tokens=96)
+    rollouts = AgentRollouts(TwoTurnAgent(), reward, server, {"temperature": 1.0, "max_tokens": 8}, 96, 0.5)
+    tasks = [{"id": "A", "question": "How many people are there?"}, {"id": "B", "question": "Again."}]
+    trainer = AgentGRPOTrainer(
+        model=model,
+        reward_funcs=[_passthrough_reward("table")],
+        args=TRLBackend().grpo_config(algo, str(tmp_path), seed=0, device="cpu"),
+        train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
+        processing_class=tokenizer,
+        rollout_func=rollouts,
+        is_correction="token_truncate",
+        is_cap=2.0,
+        accept_reward=algo.accept_reward,
+    )
+    trainer.model.train()
+    try:
+        output = trainer._generate_and_score_completions([{"prompt": task_prompt(t)} for t in tasks for _ in range(4)])
+    finally:
+        reward.release.set()
+    kept = [0, 3, 6, 7]
+    loss_mask = output["completion_mask"] * output["tool_mask"]
+    for row in range(8):
+        model_tokens = torch.tensor(rollouts.last_samples[row].env_mask + [0] * 96)[: loss_mask.size(1)].bool()
+        if row in kept:
+            assert torch.equal(loss_mask[row].bool(), model_tokens) and loss_mask[row].sum() > 0
+            assert torch.allclose(output["advantages"][row][model_tokens], torch.tensor(1.0), atol=1e-4)
+        else:
+            assert loss_mask[row].sum() == 0
+    assert output["num_items_in_batch"] == sum(sum(rollouts.last_samples[i].env_mask) for i in kept)
+    assert trainer._metrics["train"]["rft/accepted_rate"][-1] == 4 / 8
 
 
 def test_importance_weights_truncate_and_mask_at_the_cap() -> None:

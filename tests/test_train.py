@@ -290,3 +290,16 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
     assert lines[-1]["compute/flops"] == 6 * n * lines[-1]["compute/trained_tokens"] and lines[-1]["step"] >= 3
     assert second["sft_control"]["steps"] == lines[-1]["step"] and "val_final" in second
     assert "val accuracy after more SFT" in control.stdout and "SFT reused" in control.stdout
+
+
+@pytest.mark.integration
+def test_rejection_sampling_fine_tuning_runs_as_an_arm(cache_dir: Path, tmp_path: Path) -> None:
+    """algorithm=rft: GRPO's rollout loop, trained on the accepted rollouts (tests/test_rollouts.py has the loss)."""
+    run_dir = tmp_path / "rft"
+    args = [*FAST_RUN, "algorithm=rft", "algorithm.max_prompt_length=512", "algorithm.max_steps=1"]
+    result = launch([*args, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["arm"] == "rft" and summary["grpo"]["steps"] == 1
+    step = metrics_of(run_dir)[-1]
+    assert 0 <= step["train/rft/accepted_rate"] <= 1 and step["compute/flops"] > 0

@@ -33,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from trl import GRPOConfig
 
 from agent.rollout import EvalSummary
-from backends.algorithm import GRPO, SFTControl
+from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
 from backends.setup import TrainSetup
 from backends.trl.fsdp import SHARDINGS, fsdp_arguments
@@ -236,6 +236,7 @@ class TRLBackend:
             callbacks=[step_log := _StepLog(setup, rollout_func, validation, compute), _StopAtStepEnd()],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
+            accept_reward=algo.accept_reward if isinstance(algo, RFT) else None,
         )
         step_log.phase_s = trainer.phase_s
         step_log.nonfinite_steps = lambda: trainer.nonfinite_steps

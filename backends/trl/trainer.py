@@ -71,10 +71,18 @@ class AgentGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + importance-sampling correction with the rollout function's log-probs (`is_correction` /
     `is_cap`: `algorithm.is_correction`, `algorithm.is_cap`; "none" leaves TRL's computation as it is)."""
 
-    def __init__(self, *args: Any, is_correction: str = "none", is_cap: float = 2.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        is_correction: str = "none",
+        is_cap: float = 2.0,
+        accept_reward: float | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.is_correction = is_correction
         self.is_cap = is_cap
+        self.accept_reward = accept_reward  # set: rejection-sampling fine-tuning (`rejection_sampled`)
         self.phase_s: defaultdict[str, float] = defaultdict(float)
         self.nonfinite_steps = 0  # optimizer steps dropped for a gradient norm that is not finite
 
@@ -104,6 +112,8 @@ class AgentGRPOTrainer(GRPOTrainer):
 
     def _corrected(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)
+        if self.accept_reward is not None:
+            self.rejection_sampled(output)
         sampler_logps = output.get("sampling_per_token_logps")
         if self.is_correction == "none" or sampler_logps is None:
             return output
@@ -117,6 +127,23 @@ class AgentGRPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             self._metrics[mode][key].append(value)
         return output
+
+    def rejection_sampled(self, output: dict[str, Any]) -> None:
+        """RFT in place of GRPO's advantages: a kept rollout (reward >= `accept_reward`, not excluded) gets advantage
+        1 on its model tokens, every other one no loss tokens at all, and the loss is normalized by the kept tokens
+        (over every rank): at ratio 1 the gradient is that of the kept tokens' mean negative log-likelihood."""
+        rollouts = self.rollout_func  # AgentRollouts: this rank's last rollouts, in the batch's order
+        kept = [
+            sample.excluded is None and rollout.reward is not None and rollout.reward >= self.accept_reward
+            for rollout, sample in zip(rollouts.last_rollouts, rollouts.last_samples, strict=True)
+        ]
+        accepted = torch.tensor(kept, dtype=output["completion_mask"].dtype, device=output["completion_mask"].device)
+        loss_mask = output.get("tool_mask", torch.ones_like(output["completion_mask"])) * accepted.unsqueeze(1)
+        output["tool_mask"] = loss_mask
+        output["advantages"] = accepted.float()
+        output["num_items_in_batch"] = self.accelerator.gather((loss_mask * output["completion_mask"]).sum()).sum()
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["rft/accepted_rate"].append(float(accepted.float().mean()))
 
     @torch.no_grad()
     def _trainer_logps(self, output: dict[str, Any]) -> torch.Tensor:
