@@ -262,7 +262,7 @@ FREE_TEXT = {
     "DBBenchData": {"data_dir", "entry_file"},
     "MedQAData": {"data_dir", "train_split", "val_split", "test_split"},  # a split is any <name>.parquet there
     "SpiderData": {"spider_dir", "train_split", "val_split", "test_split", "val_subset_field"},  # train, dev, a file
-    "SFTWarmstart": {"cache_dir"},
+    "SFTWarmstart": {"cache_dir", "path", "weights_sha256"},
     "Endpoint": {"base_url", "model", "api_key_env"},
     "HubModel": {"hub_id", "path"},
     "TinyModel": {"hub_id", "path", "cache_dir"},

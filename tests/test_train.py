@@ -303,3 +303,30 @@ def test_rejection_sampling_fine_tuning_runs_as_an_arm(cache_dir: Path, tmp_path
     assert summary["arm"] == "rft" and summary["grpo"]["steps"] == 1
     step = metrics_of(run_dir)[-1]
     assert 0 <= step["train/rft/accepted_rate"] <= 1 and step["compute/flops"] > 0
+
+
+@pytest.mark.integration
+def test_a_warm_start_carried_from_elsewhere_is_loaded_and_checked_by_its_digest(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """One warm start for every arm, seed and machine: a later run loads it by path (no SFT of its own), and one that
+    names another digest stops before any model loads."""
+    built, carried = tmp_path / "built", tmp_path / "carried"
+    one_step = [*FAST_RUN, "algorithm.max_steps=1"]
+    first = launch([*one_step, f"hydra.run.dir={built}"], cache_dir, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sft = json.loads((built / "summary.json").read_text())["sft"]
+    checkpoint = tmp_path / "warmstart"
+    shutil.copytree(sft["checkpoint"], checkpoint)  # as a GPU call's output folder brings it back
+    given = [f"warmstart.path={checkpoint}", f"warmstart.weights_sha256={sft['weights_sha256']}"]
+    second = launch([*one_step, *given, f"hydra.run.dir={carried}"], cache_dir, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    reused = json.loads((carried / "summary.json").read_text())
+    assert reused["sft"]["reused"] is True and reused["sft"]["weights_sha256"] == sft["weights_sha256"]
+    assert not (carried / "sft_metrics.jsonl").exists()  # no SFT ran
+    first_val = json.loads((built / "summary.json").read_text())["val_after_sft"]
+    assert reused["val_after_sft"]["accuracy"] == first_val["accuracy"]
+
+    wrong = launch([*one_step, given[0], "warmstart.weights_sha256=0123456789abcdef"], cache_dir, tmp_path)
+    assert wrong.returncode != 0
+    assert "warmstart.weights_sha256=0123456789abcdef, but warmstart.path=" in wrong.stderr + wrong.stdout

@@ -15,7 +15,6 @@ current step, writes a checkpoint there and stops (`foundation.interrupt`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import random
 import statistics
@@ -39,7 +38,7 @@ from backends.setup import TrainSetup
 from backends.trl.fsdp import SHARDINGS, fsdp_arguments
 from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
-from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised
+from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised, weights_digest
 from backends.trl.trainer import AgentGRPOTrainer
 from data.splits import KIND, held_out_text_in, kind_distance
 from foundation.errors import ConfigError
@@ -132,7 +131,7 @@ class TRLBackend:
         metric = setup.data.metric()
         compute_dtype = setup.model.compute_dtype(device)  # the model's as loaded (FSDP2 keeps fp32 masters beside)
         resume_from = last_complete_checkpoint(run.checkpoints)
-        tokenizer = setup.model.load_tokenizer(source)
+        tokenizer = setup.model.load_tokenizer(setup.warmstart.path if warm and setup.warmstart.path else source)
         results: dict[str, Any] = {
             "device": device,
             "world_size": world_size(),
@@ -451,16 +450,6 @@ def _agreed(flag: bool) -> bool:
     box = [flag]
     broadcast_object_list(box, from_process=0)
     return bool(box[0])
-
-
-def weights_digest(checkpoint: Path) -> str:
-    """A short SHA-256 of a checkpoint's weight files: runs that report the same one started from the same weights."""
-    digest = hashlib.sha256()
-    for path in sorted(checkpoint.glob("*.safetensors")) or sorted(checkpoint.glob("*.bin")):
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
 
 
 def _passthrough_reward(name: str) -> Any:

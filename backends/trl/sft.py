@@ -61,6 +61,21 @@ class SFTWarmstart:
     task_share: float = number(1.0, gt=0, le=1)  # of the training tasks, this share (stratified); the rest: GRPO's
     shared: bool = False  # one checkpoint in cache_dir for every run asking for the same warm start (arms, seeds)
     cache_dir: str = ".cache/warmstarts"  # where shared warm starts are kept
+    path: str | None = None  # a warm start built before (its checkpoint directory): loaded, never trained here
+    weights_sha256: str | None = None  # the digest `path`'s weights must have (a run's summary: sft.weights_sha256)
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            if self.weights_sha256 is not None:
+                raise ConfigError("warmstart.weights_sha256 checks warmstart.path, which is not set")
+            return
+        if not (Path(self.path) / "config.json").is_file():
+            raise ConfigError(f"warmstart.path={self.path} is not a model checkpoint (no config.json)")
+        if self.weights_sha256 is not None and (found := weights_digest(Path(self.path))) != self.weights_sha256:
+            raise ConfigError(
+                f"warmstart.weights_sha256={self.weights_sha256}, but warmstart.path={self.path} holds weights "
+                f"{found}: another warm start than the one asked for"
+            )
 
     def split(self, tasks: list[dict[str, Any]], seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the warm start's tasks, the tasks GRPO and the control train on): all of them for both when `task_share`
@@ -118,11 +133,15 @@ class SFTWarmstart:
         use_bf16: bool,
         seed: int,
     ) -> Path:
-        """Where the warm start's model is: the run's own `checkpoints/sft`, or with `shared` one directory in
-        `cache_dir` for every run that asks for the same warm start (model, demonstrations, settings, precision)."""
+        """Where the warm start's model is: `path` when given; the run's own `checkpoints/sft`; or with `shared` one
+        directory in `cache_dir` for every run that asks for the same warm start (model, demonstrations, settings,
+        precision)."""
+        if self.path is not None:
+            return Path(self.path)
         if not self.shared:
             return run_checkpoints / "sft"
-        settings = {k: v for k, v in asdict(self).items() if k not in ("name", "concurrency", "shared", "cache_dir")}
+        unkeyed = ("name", "concurrency", "shared", "cache_dir", "path", "weights_sha256")
+        settings = {k: v for k, v in asdict(self).items() if k not in unkeyed}
         key = [settings, source, max_length, use_bf16, seed, world_size(), demos]  # ranks: the batch is N times
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
         return Path(self.cache_dir) / f"sft-{digest[:16]}"
@@ -240,3 +259,13 @@ class _JsonlLog(TrainerCallback):
         if logs and "loss" in logs and state.is_world_process_zero:
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": state.global_step, **{f"sft/{k}": v for k, v in logs.items()}}) + "\n")
+
+
+def weights_digest(checkpoint: Path) -> str:
+    """A short SHA-256 of a checkpoint's weight files: runs that report the same one started from the same weights."""
+    digest = hashlib.sha256()
+    for path in sorted(checkpoint.glob("*.safetensors")) or sorted(checkpoint.glob("*.bin")):
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
