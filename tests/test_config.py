@@ -43,6 +43,7 @@ def compose_with(*overrides: str) -> DictConfig:
 NEEDS = {
     ("algorithm", "grpo"): "model=qwen7b",
     ("algorithm", "sft_control"): "experiment=learn_gpu",  # a warm start, and lengths that fit the tiny model
+    ("algorithm", "rft"): "experiment=learn_gpu",
     ("data", "med_qa"): "agent=med_sql",
     ("data", "dbbench"): "agent=dbbench",
     ("job", "status"): "job.sweep_dir=outputs/sweeps/any",  # the jobs' mandatory (???) keys
