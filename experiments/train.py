@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from omegaconf import DictConfig
@@ -111,6 +112,12 @@ def describe(summary: dict[str, Any]) -> str:
         cells = ["-" if s is None else _with_interval(s["accuracy"], s["n"]) for s in scores]
         n = next(s["n"] for s in scores if s is not None)
         lines.append(f"    {name:<26} {' -> '.join(cells)}  (n={n})")
+    test = summary.get("test_final")
+    if test:
+        low, high = wilson(test["accuracy"], test["n"])
+        lines.append(f"  test accuracy, final model   {test['accuracy']:.2f}  [{low:.2f}, {high:.2f}]  (n={test['n']})")
+        for name, scores in test.get("subsets", {}).items():
+            lines.append(f"    {name:<26} {_with_interval(scores['accuracy'], scores['n'])}  (n={scores['n']})")
     rewards = summary.get("reward_per_step") or []
     known = [r for r in rewards if r is not None]
     if known:
@@ -119,6 +126,13 @@ def describe(summary: dict[str, Any]) -> str:
             f"  reward per step ({len(rewards)} steps, {known[0]:.2f} -> {known[-1]:.2f}, max {max(known):.2f}):",
             f"  {sparkline(rewards)}",
         ]
+        lines += reward_trend(rewards)
+    compute = (summary.get("grpo") or summary.get("sft_control") or {}).get("compute")
+    if compute:
+        lines.append(
+            f"  compute: {compute['compute/flops']:.2e} training FLOPs ({compute['compute/trained_tokens']:,.0f} "
+            f"tokens trained, {compute['compute/generated_tokens']:,.0f} generated; backends/compute.py)"
+        )
     sft, grpo, more = (summary.get(k, {}) for k in ("sft", "grpo", "sft_control"))
     phases = [
         f"SFT {sft['wall_s']:.0f} s" if "wall_s" in sft else "SFT reused" if sft else "",
@@ -134,4 +148,44 @@ def describe(summary: dict[str, Any]) -> str:
         "one run says little (the interval above): compare seeds, e.g. python launch.py -m seed=0,1,2 then",
         "      python -m analysis.report outputs/sweeps/<time>",
     ]
+    if control:
+        lines.append("this run is a control arm: judge its treatment against it with python -m analysis.report")
+    else:
+        lines.append(
+            "no control arm — no claim about GRPO vs SFT (run algorithm=sft_control and algorithm=rft from the same "
+            "warm start, e.g. python launch.py -m experiment=learn_gpu, then python -m analysis.report)"
+        )
     return "\n".join(lines)
+
+
+def reward_trend(rewards: list[float | None]) -> list[str]:
+    """Training reward in the first and the last fifth of the steps, each mean with its 95 % interval over the steps
+    (t), and whether the change is beyond noise (Welch). Steps are not independent draws: a rough check, no verdict
+    on GRPO."""
+    known = [r for r in rewards if r is not None]
+    size = max(2, len(known) // 5)
+    if len(known) < 2 * size:
+        return []
+    first, last = known[:size], known[-size:]
+    a, b = _mean_interval(first), _mean_interval(last)
+    diff = statistics.mean(last) - statistics.mean(first)
+    se = math.sqrt(statistics.variance(first) / size + statistics.variance(last) / size)
+    verdict = "beyond noise" if abs(diff) > Z95 * se and se > 0 else "inside noise"
+    return [
+        f"  training reward, first {size} steps {a} -> last {size} steps {b}: {diff:+.2f}, {verdict}",
+    ]
+
+
+# Student's t, two-sided 95 %, by degrees of freedom (job=train needs no scipy; beyond 30: the normal's 1.96)
+_T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11, 2.10)
+_T975 += (2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
+
+
+def _t975(df: int) -> float:
+    return _T975[df - 1] if df <= len(_T975) else Z95
+
+
+def _mean_interval(values: list[float]) -> str:
+    mean = statistics.mean(values)
+    half = _t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return f"{mean:.2f} [{mean - half:.2f}, {mean + half:.2f}]"

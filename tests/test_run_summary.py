@@ -59,3 +59,25 @@ def test_accuracy_per_subset_before_and_after() -> None:
         "    entity                     0.50 [0.39, 0.61] -> -  (n=80)",
     ]
     assert "per subset" not in describe(summary(0.41, 0.45, [0.1]))  # a split without subsets: no such lines
+
+
+def test_the_training_reward_trend_and_the_test_split_are_shown_with_intervals() -> None:
+    rising = [0.10, 0.12, 0.14, 0.16, 0.20, 0.22, 0.25, 0.28, 0.30, 0.33]  # 10 steps: bins of 2
+    runs = summary(0.41, 0.45, rising) | {
+        "test_final": {"accuracy": 0.40, "n": 100, "subsets": {"entity": {"accuracy": 0.5, "n": 20}}},
+        "grpo": {
+            "wall_s": 10.0,
+            "compute": {"compute/flops": 3.2e12, "compute/trained_tokens": 1e5, "compute/generated_tokens": 2e4},
+        },
+    }
+    lines = describe(runs).splitlines()
+    trend = next(line for line in lines if "training reward, first 2 steps" in line)
+    assert "0.11 [" in trend and "-> last 2 steps 0.32 [" in trend and "+0.21, beyond noise" in trend
+    assert any(line.startswith("  test accuracy, final model   0.40  [0.31, 0.50]  (n=100)") for line in lines)
+    assert any(line.strip().startswith("entity") and "(n=20)" in line for line in lines)
+    assert any("3.20e+12 training FLOPs (100,000 tokens trained, 20,000 generated" in line for line in lines)
+    assert lines[-1].startswith("no control arm — no claim about GRPO vs SFT")
+    flat = describe(summary(0.41, 0.45, [0.2, 0.3, 0.2, 0.3, 0.25, 0.2, 0.3, 0.2, 0.3, 0.25]))
+    assert "inside noise" in next(line for line in flat.splitlines() if "training reward, first" in line)
+    control = describe(summary(0.41, 0.45, []) | {"arm": "sft_control"})
+    assert control.splitlines()[-1].startswith("this run is a control arm")
