@@ -96,16 +96,20 @@ class GRPO:
 @dataclass
 class SFTControl(GRPO):
     """The control arm of a GRPO experiment (`algorithm=sft_control`): from the same warm start, supervised
-    fine-tuning on demonstrations of the tasks GRPO would train on (see `warmstart.task_share`) goes on instead of
-    GRPO, for `time_budget_s` seconds of training (or `max_steps` SFT steps), validated as GRPO is. It reads GRPO's
-    lengths, validation and budget keys; its own `sft_*` keys say how it trains (an experiment's GRPO settings leave
-    them alone); GRPO's sampling and loss keys are unused.
+    fine-tuning on demonstrations (`sft_demos`: of the tasks GRPO would train on, see `warmstart.task_share`, or the
+    warm start's own) goes on instead of GRPO, for the treatment's budget (`time_budget_s` training seconds or
+    `flops_budget` FLOPs; else `max_steps` SFT steps), validated as GRPO is. It reads GRPO's lengths, validation and
+    budget keys; its own `sft_*` keys say how it trains (an experiment's GRPO settings leave them alone); GRPO's
+    sampling and loss keys are unused.
     """
 
     name: str = "sft_control"
     sft_learning_rate: float = number(1e-4, gt=0)  # constant
     sft_batch_size: int = number(32, gt=0)  # demonstrations per SFT step
     sft_val_every: int = number(1000, gt=0)  # validate every N SFT steps (and at the end)
+    # whose demonstrations: rl, the tasks GRPO trains on (gold GRPO never sees: with warmstart.task_share < 1, a
+    # ceiling); warmstart, the warm start's own (SFT continued on what it had: no data GRPO's pool lacks)
+    sft_demos: str = one_of("rl", ("rl", "warmstart"))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -137,3 +137,14 @@ def test_a_run_records_its_phases_task_ids_and_scores_the_test_split_at_the_end(
     assert last["test/n"] == 8 and "test/accuracy" in last  # the final model only
     earlier = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][:-1]
     assert not any(k.startswith("test/") for m in earlier for k in m)
+
+    # the control continues on the warm start's own demonstrations (sft_demos=warmstart), not on the RL tasks' gold
+    control_dir = tmp_path / "control"
+    args = [*FAST_RUN, "warmstart.task_share=0.5", "algorithm=sft_control", "algorithm.sft_demos=warmstart"]
+    args += ["algorithm.max_prompt_length=512", f"hydra.run.dir={control_dir}"]
+    control = launch(args, cache_dir, tmp_path)
+    assert control.returncode == 0, control.stderr[-3000:]
+    demos = json.loads((control_dir / "summary.json").read_text())["sft_control_demos"]
+    assert demos == {"tasks": "warmstart", "demonstrations": data["sft"]["demonstrations"]}
+    assert json.loads((control_dir / "splits.json").read_text())["phases"] == phases  # the same split, recorded
+

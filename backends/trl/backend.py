@@ -209,9 +209,10 @@ class TRLBackend:
                 run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
             results["resumed_from"] = Path(resume_from).name
         results["arm"] = algo.name
-        if isinstance(algo, SFTControl):  # on the tasks GRPO would train on: the warm start's, or the others
-            if warm_tasks is not train_tasks:
+        if isinstance(algo, SFTControl):  # the warm start's demonstrations, or those of the tasks GRPO trains on
+            if algo.sft_demos == "rl" and warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
+            results["sft_control_demos"] = {"tasks": algo.sft_demos, "demonstrations": len(demos)}
             return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length, compute)
 
         server = self._server(model, tokenizer, setup)
