@@ -86,7 +86,7 @@ def describe(summary: dict[str, Any]) -> str:
     lines = [f"run directory: {run}", ""]
     before = summary.get("val_after_sft") or summary.get("val_initial")
     after = summary.get("val_final")
-    control = summary.get("arm") == "sft_control"
+    control = "sft_control" in summary  # the control arm's results (its ceiling too): SFT went on, no GRPO
     first = "after SFT" if "val_after_sft" in summary else "before GRPO"
     rows = [(first, before), ("after more SFT" if control else "after GRPO", after)]
     for label, val in rows:
@@ -148,7 +148,7 @@ def describe(summary: dict[str, Any]) -> str:
         "one run says little (the interval above): compare seeds, e.g. python launch.py -m seed=0,1,2 then",
         "      python -m analysis.report outputs/sweeps/<time>",
     ]
-    if control:
+    if summary.get("arm") == "sft_control":
         lines.append("this run is a control arm: judge its treatment against it with python -m analysis.report")
     else:
         lines.append(

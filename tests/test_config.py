@@ -44,6 +44,8 @@ NEEDS = {
     ("algorithm", "grpo"): "model=qwen7b",
     ("algorithm", "sft_control"): "experiment=learn_gpu",  # a warm start, and lengths that fit the tiny model
     ("algorithm", "rft"): "experiment=learn_gpu",
+    ("algorithm", "sft_continue"): "experiment=learn_gpu",
+    ("algorithm", "sft_ceiling"): "experiment=learn_gpu",
     ("data", "med_qa"): "agent=med_sql",
     ("data", "dbbench"): "agent=dbbench",
     ("job", "status"): "job.sweep_dir=outputs/sweeps/any",  # the jobs' mandatory (???) keys
@@ -333,3 +335,19 @@ def test_a_bad_value_is_rejected_naming_its_key(group: str, line: str) -> None:
     key = {"job=status": "job.sweep_dir"}.get(line) or overrides[-1].lstrip("+").split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)}[ :]"):
         check(group, compose_with(*overrides))
+
+
+def test_the_pool_experiment_gives_every_arm_one_warm_start_and_one_flops_budget() -> None:
+    """experiment=learn_pool_gpu: four arms (GRPO, RFT, SFT continued on the warm start's demonstrations, a gold-SFT
+    ceiling) from a warm start on a quarter of the tasks, at one FLOPs budget and no time budget."""
+    arms = {
+        name: build_components(compose_with("experiment=learn_pool_gpu", f"algorithm={name}"))
+        for name in ("grpo", "rft", "sft_continue", "sft_ceiling")
+    }
+    assert {a["algorithm"].name for a in arms.values()} == {"grpo", "rft", "sft_control", "sft_ceiling"}
+    assert {(a["algorithm"].flops_budget, a["algorithm"].time_budget_s) for a in arms.values()} == {(9.0e14, None)}
+    assert {a["warmstart"].task_share for a in arms.values()} == {0.25}
+    assert (
+        arms["sft_continue"]["algorithm"].sft_demos == "warmstart"
+        and arms["sft_ceiling"]["algorithm"].sft_demos == "rl"
+    )

@@ -147,4 +147,3 @@ def test_a_run_records_its_phases_task_ids_and_scores_the_test_split_at_the_end(
     demos = json.loads((control_dir / "summary.json").read_text())["sft_control_demos"]
     assert demos == {"tasks": "warmstart", "demonstrations": data["sft"]["demonstrations"]}
     assert json.loads((control_dir / "splits.json").read_text())["phases"] == phases  # the same split, recorded
-
