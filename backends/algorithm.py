@@ -43,6 +43,7 @@ class GRPO:
     time_budget_s: float | None = number(None, gt=0)  # stop at the first step end after this much training
     flops_budget: float | None = number(None, gt=0)  # likewise after this many training FLOPs (backends/compute.py)
     test_at_end: bool = True  # the final model is scored on the data's test split too (test/*), never before
+    pool_samples: int | None = number(None, ge=2)  # train on the tasks the start solves some of N times (None: all)
 
     def __post_init__(self) -> None:
         if self.batch_size % self.micro_batch_size:

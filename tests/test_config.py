@@ -347,6 +347,7 @@ def test_the_pool_experiment_gives_every_arm_one_warm_start_and_one_flops_budget
     assert {a["algorithm"].name for a in arms.values()} == {"grpo", "rft", "sft_control", "sft_ceiling"}
     assert {(a["algorithm"].flops_budget, a["algorithm"].time_budget_s) for a in arms.values()} == {(9.0e14, None)}
     assert {a["warmstart"].task_share for a in arms.values()} == {0.25}
+    assert {a["algorithm"].pool_samples for a in arms.values()} == {16}
     assert (
         arms["sft_continue"]["algorithm"].sft_demos == "warmstart"
         and arms["sft_ceiling"]["algorithm"].sft_demos == "rl"

@@ -36,6 +36,7 @@ from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
 from backends.setup import TrainSetup
 from backends.trl.fsdp import SHARDINGS, fsdp_arguments
+from backends.trl.pool import filtered_pool, pool_key, sample_pool
 from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised, weights_digest
@@ -209,6 +210,13 @@ class TRLBackend:
                 run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
             results["resumed_from"] = Path(resume_from).name
         results["arm"] = algo.name
+        if algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart"):
+            start = weights_digest(sft_dir) if warm else f"untrained {source}"
+            train_tasks, results["pool"] = self._pool(model, tokenizer, setup, train_tasks, start, metric, device)
+            if is_main():
+                phases = (warm_tasks, train_tasks, val_tasks, test_tasks)
+                write_splits(run.path / "splits.json", split_seed, *phases, pool=results["pool"])
+            results["train_tasks"] = len(train_tasks)
         if isinstance(algo, SFTControl):  # the warm start's demonstrations, or those of the tasks GRPO trains on
             if algo.sft_demos == "rl" and warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
@@ -319,6 +327,52 @@ class TRLBackend:
             }
         }
 
+    def _pool(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        setup: TrainSetup,
+        tasks: list[dict[str, Any]],
+        start: str,
+        metric: Any,
+        device: str,
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The RL tasks the starting policy solves some but not all of `algorithm.pool_samples` times (backends/trl/
+        pool.py): worked out once per starting weights and settings, kept beside the shared warm starts (or in the
+        run's checkpoints without one), read by every later run."""
+        algo = setup.algorithm
+        sampling = algo.sampling(algo.temperature)
+        settings = {
+            "samples": algo.pool_samples,
+            "sampling": sampling,
+            "lengths": [algo.max_prompt_length, algo.max_response_length],
+            "agent": repr(setup.agent),
+            "metric": repr(metric),
+        }
+        pools = Path(setup.warmstart.cache_dir) / "pools" if setup.warmstart is not None else setup.run.checkpoints
+        path = pools / f"pool-{pool_key(start, tasks, settings)}.json"
+        server = None
+        if _agreed(not path.is_file()):  # every rank loads (a sharded model's weights are gathered by all)
+            policy = self.weights(device, setup.model.compute_dtype(device)).for_generation(model)
+            server = self._server(policy, tokenizer, setup)
+            server.load(policy)
+            if not is_main():
+                server.engine.sleep()
+
+        def sample() -> dict[str, Any]:
+            assert server is not None
+            setup.run.phase = f"sampling the pool ({algo.pool_samples} a task)"
+            load = lambda: server.load(server.model)  # noqa: E731  (the engine sleeps after each chunk)
+            args = (setup.agent, tasks, server, load, metric, sampling, algo.pool_samples, algo.reward_timeout_s)
+            return sample_pool(*args)
+
+        if is_main():
+            pool, record = filtered_pool(tasks, path, sample, exclusive=world_size() == 1)
+        _agreed(True)  # the other ranks wait here for rank 0's file
+        if not is_main():
+            pool, record = filtered_pool(tasks, path, sample, exclusive=False)
+        return pool, record
+
     def weights(self, device: str, dtype: torch.dtype) -> GenerationWeights:
         """What the engines generate from (the model, or its gathered copy in `dtype` when sharded): one a run."""
         if self._weights is None:
@@ -404,16 +458,18 @@ def write_splits(
     rl: list[dict[str, Any]],
     val: list[dict[str, Any]],
     test: list[dict[str, Any]],
+    pool: dict[str, Any] | None = None,
 ) -> None:
     """`splits.json`: which task ids each phase trained or was scored on, and how alike the training phases' mixes of
-    task kinds are (total-variation distance; 0: the same mix), so that a reviewer can check the split."""
+    task kinds are (total-variation distance; 0: the same mix), so that a reviewer can check the split; with a
+    filtered pool (`algorithm.pool_samples`), `rl` is the pool and `pool` says how it was filtered."""
     phases = {"warmstart": warm, "rl": rl, "val": val, "test": test}
     record: dict[str, Any] = {
         "split_seed": seed,
         "phases": {name: [str(t["id"]) for t in tasks] for name, tasks in phases.items()},
         "kinds": {name: len({t.get(KIND) for t in tasks}) for name, tasks in phases.items()},
         "kind_distance_warmstart_rl": kind_distance(warm, rl, lambda t: str(t.get(KIND))) if warm else None,
-    }
+    } | ({"pool": pool} if pool else {})
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
