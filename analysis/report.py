@@ -50,6 +50,7 @@ METRICS = {
 }
 WITHIN_NOISE, BEYOND_NOISE, NO_ERROR_BAR = "within noise", "beyond noise", "no error bar (n < 2)"
 POWER = 0.8  # the power at which the smallest detectable difference is stated
+SPLIT_METRICS = ("val_final", "test_final")  # final accuracies also logged per subset of their split
 CONTROL_ARM = "sft_control"  # the `arm` a control run's summary names (backends/algorithm.py SFTControl)
 ELAPSED = "train/elapsed_s"  # training seconds, validation not counted
 
@@ -264,17 +265,18 @@ def _in_cell(done: pd.DataFrame, factors: list[str], cell: tuple[Any, ...]) -> p
     return done[mask]
 
 
-def cell_table(table: pd.DataFrame, factors: list[str]) -> pd.DataFrame:
-    """One row per cell: seeds, accuracy and reward as mean ± 95% CI, and cost per run."""
+def cell_table(table: pd.DataFrame, factors: list[str], metric: str = "val_final") -> pd.DataFrame:
+    """One row per cell: seeds, accuracy and reward as mean ± 95% CI (and `metric` per subset: the validation's, or
+    the test split's), and cost per run."""
     done = table[table.status == COMPLETED]
-    subsets = subset_metrics(table)
+    subsets = subset_metrics(table, metric if metric in SPLIT_METRICS else "val_final")
     rows = []
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
         total = len(_in_cell(table, factors, cell))
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
-        for metric in ("val_initial", "val_final", "val_best", "reward_final", *subsets):
+        for metric in ("val_initial", "val_final", "val_best", "test_final", "reward_final", *subsets):
             estimate = Estimate.of(runs[metric])
             row[metric] = _fmt_estimate(estimate, metric)
             if metric in subsets and 0 < estimate.n < len(runs):  # not every run logs subsets
@@ -346,27 +348,57 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level
             continue
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
-            c = compare(control, runs, metric, level)
-            if control[metric].isna().all() or runs[metric].isna().all():
-                verdict = f"no verdict (an arm has no `{metric}`)"
-            elif c.flag == NO_ERROR_BAR:
-                verdict = "no verdict (fewer than 2 seeds in an arm)"
-            elif c.flag == WITHIN_NOISE:
-                verdict = "inside noise"
-            else:
-                verdict = f"{'better' if c.diff > 0 else 'worse'} than the control, beyond noise"
-            ci = f" [{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else ""
-            power = ""
-            if c.detectable is not None:
-                power = f"; {c.test}, it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power"
-            treated, base = Estimate.of(runs[metric]), Estimate.of(control[metric])  # n: the runs that log it
             lines.append(
-                f"{_label(arm_factors, cell)} against the control{where}: "
-                f"{_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(base, metric)} (n={base.n}); "
-                f"Δ {_fmt(c.diff, metric, True)}{ci}: **{verdict}**{power}. "
-                f"{_compute_line(runs[runs[metric].notna()], control[control[metric].notna()])}"
+                _verdict(f"{_label(arm_factors, cell)} against the control{where}", control, runs, metric, level)
             )
     return lines
+
+
+def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[str]:
+    """The treatments against each other (the later-listed against the earlier, the other factors fixed), as the
+    verdict lines judge each against the control: does one arm add what another with the same information lacks?"""
+    done = table[table.status == COMPLETED]
+    controls, treatments = done[done.arm == CONTROL_ARM], done[done.arm != CONTROL_ARM]
+    if controls.empty:
+        return []
+    arm_factors = [f for f in factors if not set(controls[f].map(repr)) & set(treatments[f].map(repr))]
+    others = [f for f in factors if f not in arm_factors]
+    lines = []
+    for context in _cells(treatments, others):
+        group = _in_cell(treatments, others, context)
+        where = f" ({_label(others, context)})" if others else ""
+        cells = _cells(group, arm_factors)
+        for i, first in enumerate(cells):
+            for later in cells[i + 1 :]:
+                base, runs = _in_cell(group, arm_factors, first), _in_cell(group, arm_factors, later)
+                label = f"{_label(arm_factors, later)} against {_label(arm_factors, first)}{where}"
+                lines.append(_verdict(label, base, runs, metric, level, "it"))
+    return lines
+
+
+def _verdict(
+    label: str, base: pd.DataFrame, runs: pd.DataFrame, metric: str, level: float, than: str = "the control"
+) -> str:
+    """`label`: both means, Δ with its CI (paired or Welch), better / worse / inside noise, the detectable Δ, cost."""
+    c = compare(base, runs, metric, level)
+    if base[metric].isna().all() or runs[metric].isna().all():
+        verdict = f"no verdict (an arm has no `{metric}`)"
+    elif c.flag == NO_ERROR_BAR:
+        verdict = "no verdict (fewer than 2 seeds in an arm)"
+    elif c.flag == WITHIN_NOISE:
+        verdict = "inside noise"
+    else:
+        verdict = f"{'better' if c.diff > 0 else 'worse'} than {than}, beyond noise"
+    ci = f" [{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else ""
+    power = ""
+    if c.detectable is not None:
+        power = f"; {c.test}, it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power"
+    treated, baseline = Estimate.of(runs[metric]), Estimate.of(base[metric])  # n: the runs that log it
+    return (
+        f"{label}: {_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(baseline, metric)} "
+        f"(n={baseline.n}); Δ {_fmt(c.diff, metric, True)}{ci}: **{verdict}**{power}. "
+        f"{_compute_line(runs[runs[metric].notna()], base[base[metric].notna()])}"
+    )
 
 
 def _fmt_p(p: float | None) -> str:
@@ -475,7 +507,8 @@ class Report:
     problems: pd.DataFrame
     metric: str
     verdicts: list[str]
-    subset_verdicts: list[str]  # the final accuracy's verdicts again, on each validation subset
+    subset_verdicts: list[str]  # the final accuracy's verdicts again, on each subset of the split
+    pairs: list[str]  # the treatments against each other
 
 
 def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]]:
@@ -484,15 +517,16 @@ def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
     per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
     verdicts = control_verdicts(table, factors, metric)
-    columns = subset_metrics(table) if metric == "val_final" else []
+    columns = subset_metrics(table, metric) if metric in SPLIT_METRICS else []
     level = 1 - 0.05 / max(len(columns), 1)  # Bonferroni: one test per subset, 5 % for all of them together
     by_subset = [
         f"`{column.split(SUBSET_SEP, 1)[1]}` questions: {line}"
         for column in columns
         for line in control_verdicts(table, factors, column, level)
     ]
-    cells = cell_table(table, factors)
-    return Report(table, cells, per_factor, problems, metric, verdicts, by_subset), factors
+    cells = cell_table(table, factors, metric)
+    pairs = treatment_pairs(table, factors, metric)
+    return Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs), factors
 
 
 def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.DataFrame | None]]:
@@ -509,20 +543,28 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     if report.verdicts:
         text = (
             "Each treatment against its control (a run with `arm: sft_control`: the warm start's SFT continued for "
-            "the same training time), over seeds; Δ = treatment - control with its 95% CI: from a paired t-test where "
+            "the same budget), over seeds; Δ = treatment - control with its 95% CI: from a paired t-test where "
             "every treatment run has a control run with its seed and warm start, else from Welch's t-test; and the "
             f"smallest |Δ| that test would detect with {POWER:.0%} power (at the same confidence level).\n\n"
         )
         text += "\n".join(f"- {v}" for v in report.verdicts)
         if report.subset_verdicts:
-            k = len(subset_metrics(report.runs))
+            k = len(subset_metrics(report.runs, metric))
+            split = "test" if metric == "test_final" else "validation"
             text += (
-                f"\n\nThe same on each subset of the validation questions (`data.val_subset_field`), n counting the "
+                f"\n\nThe same on each subset of the {split} questions (`data.val_subset_field`), n counting the "
                 f"runs that log it; with {k} subsets each Δ's CI is {100 - 5 / k:.1f}% (Bonferroni), so that the "
                 f"{k} verdicts together are wrong with at most 5% probability:\n\n"
             )
             text += "\n".join(f"- {v}" for v in report.subset_verdicts)
         out.append(("Treatment against control", text, None))
+    if report.pairs:
+        text = (
+            "The treatments against each other, the later-listed against the earlier, tested as above (95%): one arm "
+            "against another with the same information (GRPO against RFT: the policy gradient's baseline and "
+            "negative samples) or against a ceiling.\n\n"
+        )
+        out.append(("Treatments against each other", text + "\n".join(f"- {v}" for v in report.pairs), None))
     cells = (
         "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
         "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."

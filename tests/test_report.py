@@ -363,3 +363,17 @@ def test_the_verdict_names_the_budget_both_arms_shared() -> None:
     assert report._compute_line(arm(2e15, None), arm(None, 150)).endswith(
         "; no budget shared by every run of both arms."
     )
+
+
+def test_treatments_are_also_judged_against_each_other(tmp_path: Path) -> None:
+    """GRPO and RFT from one start: besides each against the control, RFT against GRPO, paired by seed."""
+    values = {"grpo": (0.50, 0.56, 0.62), "rft": (0.49, 0.54, 0.61), "sft_control": (0.40, 0.45, 0.41)}
+    num = 0
+    for arm, by_seed in values.items():
+        for seed, value in enumerate(by_seed):
+            write_arm(tmp_path / "arms" / str(num), arm, seed, value)
+            num += 1
+    md = (report.main([str(tmp_path / "arms")]) / "report.md").read_text()
+    lines = [x for x in out_tables(md)["Treatments against each other"].splitlines() if x.startswith("- ")]
+    assert len(lines) == 1 and lines[0].startswith("- algorithm=rft against algorithm=grpo: 54.7 ± ")
+    assert "Δ -1.3 [" in lines[0] and "; paired (3 pairs), it could detect" in lines[0]
