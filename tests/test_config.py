@@ -345,7 +345,7 @@ def test_the_pool_experiment_gives_every_arm_one_warm_start_and_one_flops_budget
         for name in ("grpo", "rft", "sft_continue", "sft_ceiling")
     }
     assert {a["algorithm"].name for a in arms.values()} == {"grpo", "rft", "sft_control", "sft_ceiling"}
-    assert {(a["algorithm"].flops_budget, a["algorithm"].time_budget_s) for a in arms.values()} == {(9.0e14, None)}
+    assert {(a["algorithm"].flops_budget, a["algorithm"].time_budget_s) for a in arms.values()} == {(4.5e14, None)}
     assert {a["warmstart"].task_share for a in arms.values()} == {0.25}
     assert {a["algorithm"].pool_samples for a in arms.values()} == {16}
     assert (
