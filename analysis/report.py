@@ -331,13 +331,9 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
 def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[str]:
     """One line per treatment cell against the control run with the same other factors: both means ± 95% CI, the
     difference with its CI at `level` (Welch), and better / worse / inside noise (that CI against 0)."""
-    done = table[table.status == COMPLETED]
-    controls, treatments = done[done.arm == CONTROL_ARM], done[done.arm != CONTROL_ARM]
+    controls, treatments, arm_factors, others = _arms(table, factors)
     if controls.empty or treatments.empty:
         return []
-    # the factors that tell the arms apart (algorithm=...): no value shared by a control and a treatment
-    arm_factors = [f for f in factors if not set(controls[f].map(repr)) & set(treatments[f].map(repr))]
-    others = [f for f in factors if f not in arm_factors]
     lines = []
     for context in _cells(treatments, others):
         control = _in_cell(controls, others, context)
@@ -354,15 +350,21 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level
     return lines
 
 
+def _arms(table: pd.DataFrame, factors: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, list[str], list[str]]:
+    """The completed control and treatment runs, the factors that tell arms apart (algorithm=...: no value shared by
+    a control and a treatment), and the other factors."""
+    done = table[table.status == COMPLETED]
+    controls, treatments = done[done.arm == CONTROL_ARM], done[done.arm != CONTROL_ARM]
+    arm_factors = [f for f in factors if not set(controls[f].map(repr)) & set(treatments[f].map(repr))]
+    return controls, treatments, arm_factors, [f for f in factors if f not in arm_factors]
+
+
 def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[str]:
     """The treatments against each other (the later-listed against the earlier, the other factors fixed), as the
     verdict lines judge each against the control: does one arm add what another with the same information lacks?"""
-    done = table[table.status == COMPLETED]
-    controls, treatments = done[done.arm == CONTROL_ARM], done[done.arm != CONTROL_ARM]
+    controls, treatments, arm_factors, others = _arms(table, factors)
     if controls.empty:
         return []
-    arm_factors = [f for f in factors if not set(controls[f].map(repr)) & set(treatments[f].map(repr))]
-    others = [f for f in factors if f not in arm_factors]
     lines = []
     for context in _cells(treatments, others):
         group = _in_cell(treatments, others, context)

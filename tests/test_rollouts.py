@@ -76,9 +76,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
 
 
-def test_failed_rollouts_get_no_weight_and_do_not_shift_the_group_baseline(tiny: tuple[Any, Any], tmp_path: Path):
+def one_step(tiny: tuple[Any, Any], tmp_path: Path, algo: GRPO) -> tuple[AgentGRPOTrainer, AgentRollouts, Any]:
+    """One generation batch of `algo` (2 tasks x GROUP rollouts of TwoTurnAgent, TableReward's rewards) through
+    AgentGRPOTrainer: the trainer, its rollout function and the batch it built."""
     model, tokenizer = tiny
-    algo = GRPO(group_size=GROUP, tasks_per_step=2, micro_batch_size=8, max_prompt_length=256, max_response_length=96)
     reward = TableReward()
     server = PolicyServer(model, tokenizer, max_prompt_tokens=256, max_response_tokens=96)
     rollouts = AgentRollouts(TwoTurnAgent(), reward, server, {"temperature": 1.0, "max_tokens": 8}, 96, 0.5)
@@ -92,13 +93,19 @@ def test_failed_rollouts_get_no_weight_and_do_not_shift_the_group_baseline(tiny:
         rollout_func=rollouts,
         is_correction="token_truncate",
         is_cap=2.0,
+        accept_reward=algo.accept_reward if isinstance(algo, RFT) else None,
     )
     inputs = [{"prompt": task_prompt(t)} for t in tasks for _ in range(GROUP)]
     trainer.model.train()  # as inside trainer.train(): the step's metrics are the training ones
     try:
-        output = trainer._generate_and_score_completions(inputs)
+        return trainer, rollouts, trainer._generate_and_score_completions(inputs)
     finally:
         reward.release.set()
+
+
+def test_failed_rollouts_get_no_weight_and_do_not_shift_the_group_baseline(tiny: tuple[Any, Any], tmp_path: Path):
+    algo = GRPO(group_size=GROUP, tasks_per_step=2, micro_batch_size=8, max_prompt_length=256, max_response_length=96)
+    trainer, rollouts, output = one_step(tiny, tmp_path, algo)
 
     # The rollouts themselves: the failures are marked, with their reasons; the rest are exact two-turn samples.
     failures = [r.failure for r in rollouts.last_rollouts]
@@ -143,28 +150,8 @@ def test_rejection_sampling_trains_on_the_accepted_rollouts_alone(tiny: tuple[An
     """algorithm=rft: the same rollouts as GRPO; those with reward >= accept_reward (r0, r3, r6, r7) get advantage 1
     on their model tokens, the others (wrong, failed, excluded) no loss token, and the loss is normalized by the kept
     tokens: the gradient of their mean negative log-likelihood."""
-    model, tokenizer = tiny
     algo = RFT(group_size=GROUP, tasks_per_step=2, micro_batch_size=8, max_prompt_length=256, max_response_length=96)
-    reward = TableReward()
-    server = PolicyServer(model, tokenizer, max_prompt_tokens=256, max_response_tokens=96)
-    rollouts = AgentRollouts(TwoTurnAgent(), reward, server, {"temperature": 1.0, "max_tokens": 8}, 96, 0.5)
-    tasks = [{"id": "A", "question": "How many people are there?"}, {"id": "B", "question": "Again."}]
-    trainer = AgentGRPOTrainer(
-        model=model,
-        reward_funcs=[_passthrough_reward("table")],
-        args=TRLBackend().grpo_config(algo, str(tmp_path), seed=0, device="cpu"),
-        train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
-        processing_class=tokenizer,
-        rollout_func=rollouts,
-        is_correction="token_truncate",
-        is_cap=2.0,
-        accept_reward=algo.accept_reward,
-    )
-    trainer.model.train()
-    try:
-        output = trainer._generate_and_score_completions([{"prompt": task_prompt(t)} for t in tasks for _ in range(4)])
-    finally:
-        reward.release.set()
+    trainer, rollouts, output = one_step(tiny, tmp_path, algo)
     kept = [0, 3, 6, 7]
     loss_mask = output["completion_mask"] * output["tool_mask"]
     for row in range(8):
