@@ -264,6 +264,7 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
     first, second = (json.loads((d / "summary.json").read_text()) for d in (grpo_dir, control_dir))
     assert (first["arm"], second["arm"]) == ("grpo", "sft_control")
     assert "wall_s" in first["sft"] and second["sft"]["reused"] is True  # built once, by the first run
+    assert first["sft"]["flops"] == 6 * first["grpo"]["compute"]["parameters"] * first["sft"]["trained_tokens"] > 0
     assert first["sft"]["checkpoint"] == second["sft"]["checkpoint"]
     assert first["sft"]["weights_sha256"] == second["sft"]["weights_sha256"] is not None
     same = ("accuracy", "n", "errors", "mean_turns")  # the same weights validate the same (greedy)

@@ -179,8 +179,10 @@ class TRLBackend:
                 if resume_from is None and not _agreed(_is_model(sft_dir)):  # a model that needs a warm start
                     run.phase = "warm start (SFT)"  # scores 0 before it: not worth validating
                     start = time.monotonic()
-                    model = setup.warmstart.train(
-                        setup.model.load_model(source, device),
+                    base = setup.model.load_model(source, device)
+                    parameters = base.num_parameters()  # before any rank shards it
+                    model, sft_tokens = setup.warmstart.train(
+                        base,
                         tokenizer,
                         demos,
                         sft_dir,
@@ -189,7 +191,11 @@ class TRLBackend:
                         use_bf16=use_bf16,
                         max_length=max_length,
                     )
-                    results["sft"] = {"wall_s": time.monotonic() - start}
+                    results["sft"] = {
+                        "wall_s": time.monotonic() - start,
+                        "trained_tokens": sft_tokens,
+                        "flops": 6 * parameters * sft_tokens,  # backends/compute.py's count: every weight trains
+                    }
             results["sft"] = results.get("sft", {"reused": True}) | {
                 "demonstrations": len(demos),
                 "checkpoint": str(sft_dir),

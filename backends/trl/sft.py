@@ -168,9 +168,10 @@ class SFTWarmstart:
         seed: int,
         use_bf16: bool,
         max_length: int,
-    ) -> PreTrainedModel:
+    ) -> tuple[PreTrainedModel, int]:
         """Fine-tune `model` on the assistant turns of `demos` (cut at `max_length` tokens); save it to `output_dir`,
-        published whole (written next to it, then renamed)."""
+        published whole (written next to it, then renamed). Returns the model and the tokens it trained on (every
+        rank's, padding left out)."""
         trainer = supervised(
             model,
             tokenizer,
@@ -196,14 +197,14 @@ class SFTWarmstart:
         trainer.save_model(str(staging))
         if not is_main():
             shutil.rmtree(staging, ignore_errors=True)
-            return trainer.model
+            return trainer.model, trainer._total_train_tokens
         tokenizer.save_pretrained(str(staging))
         if (output_dir / "config.json").is_file():  # published meanwhile (ranks of another run): keep that one
             shutil.rmtree(staging, ignore_errors=True)
         else:
             shutil.rmtree(output_dir, ignore_errors=True)  # what an attempt that died left, never a model
             staging.rename(output_dir)
-        return trainer.model
+        return trainer.model, trainer._total_train_tokens
 
 
 def supervised(
