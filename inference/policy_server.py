@@ -50,6 +50,11 @@ DEFAULT_ROLLOUT = "default"
 
 
 class ChatRequest(BaseModel):
+    """What a call may ask for. Honoured: messages, tools, temperature, top_p, max_tokens / max_completion_tokens
+    (>= 1). Refused with a 400 naming the field (`refusal`), never ignored: a stop sequence, more than one choice,
+    penalties, logit biases, streaming. Other fields an SDK adds (tool_choice, metadata, ...) do not change sampling
+    and are ignored."""
+
     model: str = "policy"
     messages: list[dict[str, Any]]
     temperature: float = 1.0
@@ -57,10 +62,38 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = None
+
+    def refusal(self) -> str | None:
+        """Why the policy server cannot honour this request, naming the field; None when it can."""
+        for key in ("max_tokens", "max_completion_tokens"):
+            if (value := getattr(self, key)) is not None and value < 1:
+                return f"{key}={value}: at least 1 token (or leave it out for the rollout's whole budget)"
+        if self.stop:
+            return f"stop={self.stop!r}: not supported; a reply ends at the model's end token or its token budget"
+        if self.n not in (None, 1):
+            return f"n={self.n}: one choice per call (each rollout's calls make one sequence)"
+        for key in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, key):
+                return f"{key}={getattr(self, key)}: not supported (sampling is temperature and top_p)"
+        if self.logit_bias:
+            return "logit_bias: not supported (sampling is temperature and top_p)"
+        if self.stream:
+            return "stream=true: not supported; the reply comes whole"
+        return None
 
 
 class PromptTooLong(ValueError):
     """A rollout's first prompt is longer than `max_prompt_tokens` (HTTP 400 on the wire)."""
+
+
+class UnsupportedRequest(ValueError):
+    """A call asks for something the policy server does not do (`ChatRequest.refusal`; HTTP 400 on the wire)."""
 
 
 @dataclass
@@ -204,10 +237,12 @@ class PolicyServer:
     async def _complete_http(self, rollout_id: str, request: ChatRequest) -> dict[str, Any]:
         try:
             return await self._complete(rollout_id, request)
-        except PromptTooLong as exc:
+        except (PromptTooLong, UnsupportedRequest) as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
 
     async def _complete(self, rollout_id: str, request: ChatRequest) -> dict[str, Any]:
+        if (refusal := request.refusal()) is not None:
+            raise UnsupportedRequest(refusal)
         state = self.rollouts.setdefault(rollout_id, _RolloutState())
         prompt_ids, continues = self._prompt_ids(state, request.messages, request.tools)
         if not state.records and len(prompt_ids) > self.max_prompt_tokens:

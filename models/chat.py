@@ -30,6 +30,8 @@ from transformers import PreTrainedTokenizerBase
 
 CHAT_TEMPLATES = ("qwen25", "qwen3", "llama3")
 TOOL_CALL_FORMATS = ("hermes", "llama3_json")
+# How each shipped template writes the tool calls it shows the model: the parser must read replies the same way.
+TEMPLATE_TOOL_CALLS = {"qwen25": "hermes", "qwen3": "hermes", "llama3": "llama3_json"}
 # A reply text that no real conversation holds: where the delta of new messages starts in a rendering.
 _MARK = "<<arl:assistant-turn-end>>"
 # The conversation a delta is rendered after: the marker's turn ends just before the new messages.
@@ -41,6 +43,17 @@ _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 def check_tool_call_format(name: str) -> None:
     if name not in TOOL_CALL_FORMATS:
         raise ValueError(f"model.tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}; got {name!r}")
+
+
+def check_template_pair(template: str, tool_call_format: str) -> None:
+    """A shipped template and the tool-call parser must agree (what the model is shown is what its replies are read
+    as); a mismatch parses none of the model's tool calls."""
+    wanted = TEMPLATE_TOOL_CALLS.get(template)
+    if wanted is not None and tool_call_format != wanted:
+        raise ValueError(
+            f"model.chat_template={template} writes tool calls as {wanted}, but model.tool_call_format="
+            f"{tool_call_format} would read none of them: set model.tool_call_format={wanted}"
+        )
 
 
 def chat_template(name: str) -> str:

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from foundation.schema import number, one_of
-from models.chat import CHAT_TEMPLATES, chat_template
+from models.chat import CHAT_TEMPLATES, chat_template, check_template_pair
 from models.hub import HubModel
 
 BUILD_VERSION = 2
@@ -101,6 +101,7 @@ class TinyModel(HubModel):
             raise ValueError("model.hidden_size must be divisible by model.num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("model.num_attention_heads must be divisible by model.num_key_value_heads")
+        check_template_pair(self.chat_template, self.tool_call_format)
 
     def build_dir(self, corpus_texts: list[str]) -> Path:
         arch = {k: v for k, v in asdict(self).items() if k not in ("name", "path", "cache_dir", "dtype")}

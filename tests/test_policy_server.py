@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 
 from agent.llm import OpenAIChat
 from backends.trl.rollouts import flatten
-from inference.policy_server import PolicyServer, PromptTooLong
+from inference.policy_server import PolicyServer, PromptTooLong, UnsupportedRequest
 from tests.conftest import micro_tiny
 
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10
@@ -126,6 +127,30 @@ def test_too_long_a_prompt_is_a_clear_error_in_process_and_a_400_on_the_wire(tin
         asyncio.run(server.chat_model("r0", {"temperature": 0.0}).chat(messages))
     with pytest.raises(openai.BadRequestError, match="longer than the limit of 4"):
         asyncio.run(server.chat_model("r1", {"temperature": 0.0}, wire=True).chat(messages))
+
+
+@pytest.mark.parametrize(
+    ("asked", "refusal"),
+    [
+        ({"stop": ["END"]}, "stop=['END']: not supported"),
+        ({"n": 2}, "n=2: one choice per call"),
+        ({"max_tokens": 0}, "max_tokens=0: at least 1 token"),
+        ({"presence_penalty": 0.5}, "presence_penalty=0.5: not supported"),
+    ],
+)
+def test_what_the_server_cannot_honour_is_refused_naming_the_field_never_ignored(
+    tiny, asked: dict[str, Any], refusal: str
+) -> None:
+    server = server_for(tiny)
+    messages = [{"role": "user", "content": "What is in the table?"}]
+    with pytest.raises(UnsupportedRequest, match=re.escape(refusal)):
+        asyncio.run(server.chat_model("r0", {"temperature": 0.0} | asked).chat(messages))
+    with pytest.raises(openai.BadRequestError, match=re.escape(refusal)):
+        asyncio.run(server.chat_model("r1", {"temperature": 0.0} | asked, wire=True).chat(messages))
+    assert not server.pop_records("r0") and not server.pop_records("r1")  # nothing was sampled
+    ok = server.chat_model("r2", {"temperature": 0.0, "max_tokens": 3, "n": 1, "stop": None})
+    asyncio.run(ok.chat(messages))
+    assert len(server.pop_records("r2")[0].completion_ids) <= 3
 
 
 def test_in_process_and_http_calls_record_the_same_tokens(tiny) -> None:

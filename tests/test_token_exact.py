@@ -22,7 +22,7 @@ from backends.trl.rollouts import Sample, flatten
 from experiments.config import build_components
 from inference.engine import Completion
 from inference.policy_server import PolicyServer
-from models.chat import ChatFormat
+from models.chat import TEMPLATE_TOOL_CALLS, ChatFormat
 from tests.conftest import ROOT, micro_tiny
 
 # (chat template, enable_thinking, tool-call format)
@@ -71,7 +71,10 @@ def parts(agent: str, data_dir: Path) -> dict[str, Any]:
 
 
 def tiny_with(template: str, cache: Path, corpus: list[str]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    spec = micro_tiny(cache, context_length=4096, vocab_size=400, num_hidden_layers=1, chat_template=template)
+    fmt = TEMPLATE_TOOL_CALLS[template]
+    spec = micro_tiny(
+        cache, context_length=4096, vocab_size=400, num_hidden_layers=1, chat_template=template, tool_call_format=fmt
+    )
     source = spec.prepare(corpus)
     return spec.load_model(source, "cpu"), spec.load_tokenizer(source)
 
