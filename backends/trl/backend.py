@@ -127,8 +127,6 @@ class TRLBackend:
             demos = setup.warmstart.demonstrations(setup.agent, warm_tasks, warm_seed) if warm else []
             source = setup.model.prepare(training_corpus(demos, train_tasks, val_tasks + test_tasks, all_train))
             test_tasks = test_tasks if algo.test_at_end else []
-        if is_main():
-            write_splits(run.path / "splits.json", split_seed, warm_tasks, train_tasks, val_tasks, test_tasks)
         metric = setup.data.metric()
         compute_dtype = setup.model.compute_dtype(device)  # the model's as loaded (FSDP2 keeps fp32 masters beside)
         resume_from = last_complete_checkpoint(run.checkpoints)
@@ -219,10 +217,10 @@ class TRLBackend:
         if algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart"):
             start = weights_digest(sft_dir) if warm else f"untrained {source}"
             train_tasks, results["pool"] = self._pool(model, tokenizer, setup, train_tasks, start, metric, device)
-            if is_main():
-                phases = (warm_tasks, train_tasks, val_tasks, test_tasks)
-                write_splits(run.path / "splits.json", split_seed, *phases, pool=results["pool"])
             results["train_tasks"] = len(train_tasks)
+        if is_main():  # once the tasks RL trains on are known
+            phases = (warm_tasks, train_tasks, val_tasks, test_tasks)
+            write_splits(run.path / "splits.json", split_seed, *phases, pool=results.get("pool"))
         if isinstance(algo, SFTControl):  # the warm start's demonstrations, or those of the tasks GRPO trains on
             if algo.sft_demos == "rl" and warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
