@@ -117,7 +117,9 @@ NOT_FACTORS = {"seed", "experiment", "logger", "hydra", "paths"}
 
 
 def is_factor(key: str) -> bool:
-    return key.split(".")[0] not in NOT_FACTORS
+    """False for what only draws another replicate: any seed (`seed`, `warmstart.seed`, `model.init_seed`: runs
+    that differ by them are pooled, and paired by seed and warm start) and the keys of NOT_FACTORS."""
+    return key.split(".")[0] not in NOT_FACTORS and not key.rsplit(".", 1)[-1].endswith("seed")
 
 
 def override_key(override: str) -> str:

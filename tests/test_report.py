@@ -219,14 +219,23 @@ def test_a_wandb_project_reads_like_run_directories() -> None:
     assert list(built.problems.run) == ["agent.max_turns=3,seed=1"]
 
 
-def write_arm(path: Path, arm: str, seed: int, val_final: float, subsets: dict[str, float] | None = None) -> None:
+def write_arm(
+    path: Path,
+    arm: str,
+    seed: int,
+    val_final: float,
+    subsets: dict[str, float] | None = None,
+    warm_seed: int | None = None,
+) -> None:
     """A run of experiment=learn_gpu as the TRL backend writes it: validation after the warm start (step 0, no
     training seconds), then steps with `train/elapsed_s`; the control logs no reward. `subsets`: the last
-    validation's accuracy per subset of the validation split."""
-    overrides = [f"algorithm={arm}", f"seed={seed}"]
+    validation's accuracy per subset of the validation split. `warm_seed`: the run's `warmstart.seed` override, and a
+    warm-start digest of its own."""
+    overrides = [f"algorithm={arm}", f"seed={seed}"] + ([] if warm_seed is None else [f"warmstart.seed={warm_seed}"])
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
-    config = {"seed": seed, "algorithm": {"name": arm, "time_budget_s": 180.0}}
+    config: dict[str, Any] = {"seed": seed, "algorithm": {"name": arm, "time_budget_s": 180.0}}
+    config |= {} if warm_seed is None else {"warmstart": {"seed": warm_seed}}
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     choices = {"algorithm": arm, "experiment": "learn_gpu"}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
@@ -240,6 +249,8 @@ def write_arm(path: Path, arm: str, seed: int, val_final: float, subsets: dict[s
         lines.append(line)
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     summary = {"status": "completed", "wall_s": 300.0, "device": "cuda", "overrides": overrides, "arm": arm}
+    if warm_seed is not None:
+        summary["sft"] = {"weights_sha256": f"warm{warm_seed}"}
     (path / "summary.json").write_text(json.dumps(summary))
 
 
@@ -377,3 +388,18 @@ def test_treatments_are_also_judged_against_each_other(tmp_path: Path) -> None:
     lines = [x for x in out_tables(md)["Treatments against each other"].splitlines() if x.startswith("- ")]
     assert len(lines) == 1 and lines[0].startswith("- algorithm=rft against algorithm=grpo: 54.7 ± ")
     assert "Δ -1.3 [" in lines[0] and "; paired (3 pairs), it could detect" in lines[0]
+
+
+def test_runs_from_several_warm_starts_are_pooled_and_paired_within_each(tmp_path: Path) -> None:
+    """Seeds 0-1 from one warm start, 2-3 from another (`warmstart.seed`): a seed is a replicate, not a factor, so
+    one verdict over the four pairs, each treatment run against the control with its seed and warm start."""
+    num = 0
+    for arm, by_seed in (("grpo", (0.55, 0.58, 0.54, 0.60)), ("sft_control", (0.50, 0.51, 0.52, 0.53))):
+        for seed, value in enumerate(by_seed):
+            write_arm(tmp_path / "warm" / str(num), arm, seed, value, warm_seed=seed // 2)
+            num += 1
+    md = (report.main([str(tmp_path / "warm")]) / "report.md").read_text()
+    lines = [x for x in out_tables(md)["Treatment against control"].splitlines() if x.startswith("- ")]
+    assert len(lines) == 1 and lines[0].startswith("- algorithm=grpo against the control: ")
+    assert "paired (4 pairs)" in lines[0]
+    assert "Factor `warmstart.seed`" not in md
