@@ -6,10 +6,12 @@ like to any endpoint, and the trainer reads back exactly the tokens the model sa
 - Each rollout gets its own base URL, `/rollouts/<id>/v1`, so calls are attributed without the agent knowing. Its
   client (`chat_model`) calls the server in process for `chat`; its `client` speaks HTTP to the same route.
 - Token in, token out (`models/chat.py`): a rollout's first prompt is its messages rendered by the chat template;
-  when a later call's messages are the previous call's, the reply this server gave, and new messages, its prompt is
-  the previous prompt + the ids sampled for it + the template's delta for the new messages only. A call whose
-  messages do not extend the conversation that way (the agent rewrote or dropped a message) is answered from a fresh
-  rendering, and its rollout is marked `inexact`: its sample cannot be built exactly.
+  when a later call's messages are the previous call's, the reply this server gave, and new messages, and its `tools`
+  are the previous call's, its prompt is the previous prompt + the ids sampled for it + the template's delta for the
+  new messages only. A call that does not extend the conversation that way (the agent rewrote or dropped a message,
+  `same_message`, or changed `tools`) is answered from a fresh rendering, and its rollout is marked `inexact`: its
+  sample cannot be built exactly. Special-token text in what a request carries (a tool result holding `<|im_end|>`)
+  is encoded as ordinary ids: only the template writes control tokens.
 - Requests from concurrent rollouts are generated together. A continuous engine (vLLM) gets each request the moment
   it arrives and adds it to its running batch. Any other engine gets batches: a batch starts when every active
   rollout is waiting on the model (or once no new request has come for `batch_wait_s`), so the agents of one
@@ -44,16 +46,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from agent.llm import OpenAIChat
 from inference.engine import Completion, ContinuousEngine, Engine
 from inference.hf import HFGenerate
-from models.chat import ChatFormat, same_message
+from models.chat import ChatFormat, content_problem, same_message
 
 DEFAULT_ROLLOUT = "default"
 
 
 class ChatRequest(BaseModel):
-    """What a call may ask for. Honoured: messages, tools, temperature, top_p, max_tokens / max_completion_tokens
-    (>= 1). Refused with a 400 naming the field (`refusal`), never ignored: a stop sequence, more than one choice,
-    penalties, logit biases, streaming. Other fields an SDK adds (tool_choice, metadata, ...) do not change sampling
-    and are ignored."""
+    """What a call may ask for. Honoured: messages (content a string or a list of text parts, read as their text),
+    tools, temperature, top_p, max_tokens / max_completion_tokens (>= 1). Refused with a 400 naming the field
+    (`refusal`), never ignored: a content part that is not text (image_url, input_audio, file, ...), a stop sequence,
+    more than one choice, penalties, logit biases, streaming. Other fields an SDK adds (tool_choice, metadata, ...) do
+    not change sampling and are ignored."""
 
     model: str = "policy"
     messages: list[dict[str, Any]]
@@ -85,6 +88,9 @@ class ChatRequest(BaseModel):
             return "logit_bias: not supported (sampling is temperature and top_p)"
         if self.stream:
             return "stream=true: not supported; the reply comes whole"
+        for i, message in enumerate(self.messages):
+            if (problem := content_problem(message.get("content"))) is not None:
+                return f"messages[{i}].{problem}"
         return None
 
 
@@ -138,8 +144,9 @@ class _Pending:
 @dataclass
 class _RolloutState:
     records: list[CallRecord] = field(default_factory=list)
-    # The conversation as the last call left it: its request's messages and the reply this server gave.
+    # The conversation as the last call left it: its request's messages and the reply this server gave, its tools.
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
 
 
 class PolicyServer:
@@ -288,6 +295,7 @@ class PolicyServer:
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         message = self.chat_format.reply(text, tools=bool(request.tools))
         state.messages = [*request.messages, message]
+        state.tools = request.tools or None
         finish_reason = completion.finish_reason
         if message.get("tool_calls") and finish_reason == "stop":
             finish_reason = "tool_calls"
@@ -308,10 +316,12 @@ class PolicyServer:
         self, state: _RolloutState, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> tuple[list[int], bool]:
         """Token in, token out: the previous prompt, its sampled ids and the delta of the new messages, when
-        `messages` extend the rollout's conversation; otherwise a fresh rendering (and False)."""
+        `messages` extend the rollout's conversation and `tools` are its tools; otherwise a fresh rendering (and
+        False). Tools are rendered once, in the first prompt: a changed list cannot be added as a delta."""
         kept = state.messages
         extends = (
             bool(state.records)
+            and (tools or None) == state.tools
             and len(messages) >= len(kept)
             and all(same_message(sent, held) for sent, held in zip(messages, kept, strict=False))
         )

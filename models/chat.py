@@ -10,6 +10,10 @@ The delta of new messages is read off one rendering of `[user, assistant(MARK)] 
 end of turn. Only the part of that end of turn the model did not sample (Qwen's newline after `<|im_end|>`; all of
 it when a reply was cut by length) is added before the new messages.
 
+Only the template writes control tokens. The text of a special token inside what the request carries (a tool result
+or a database row holding `<|im_end|>`, a user's `<|eot_id|>`) is encoded as ordinary ids, never as the control token
+(`ChatFormat.prompt_ids`). Content given as a list of OpenAI parts is read as its text parts' text (`content_text`).
+
 Templates shipped here (`models/chat_templates/`, `model.chat_template=<name>` for the tiny model) are TRL's files,
 unchanged, so TRL's SFT recognises them for assistant-only loss: `qwen25` (Qwen2.5, hermes tool calls), `qwen3`
 (Qwen3: thinking, hermes tool calls; `model.enable_thinking=false` turns thinking off), `llama3` (Llama 3.x turns, no
@@ -63,11 +67,35 @@ def chat_template(name: str) -> str:
     return resources.files("models").joinpath(f"chat_templates/{name}.jinja").read_text(encoding="utf-8")
 
 
+def content_problem(content: Any) -> str | None:
+    """Why a message's `content` is not text (a string, None, or a list of OpenAI text parts), naming the part; None
+    when it is. The policy reads text only: an image, audio, file or refusal part cannot be rendered."""
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f"content: a string or a list of text parts, not a {type(content).__name__}"
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            return f"content[{j}]: a {kind!r} part is not supported; only text parts (the policy reads text only)"
+    return None
+
+
+def content_text(content: Any) -> str:
+    """A message's content as the text a template renders: a string as is, None as "", a list of OpenAI content parts
+    as its text parts' texts concatenated (as OpenAI reads them). Any other part is an error (`content_problem`)."""
+    if isinstance(content, str):
+        return content
+    if (problem := content_problem(content)) is not None:
+        raise ValueError(problem)
+    return "".join(part["text"] for part in content or [])
+
+
 def for_template(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI message -> what chat templates expect: tool-call arguments as objects, no None content."""
+    """OpenAI message -> what chat templates expect: tool-call arguments as objects, content as a string (None: "";
+    text parts: their text)."""
     out = dict(message)
-    if out.get("content") is None:
-        out["content"] = ""
+    out["content"] = content_text(out.get("content"))
     if out.get("tool_calls"):
         out["tool_calls"] = [
             {**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
@@ -77,18 +105,24 @@ def for_template(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def same_message(sent: dict[str, Any], kept: dict[str, Any]) -> bool:
-    """Whether a message an agent sends back is the one the conversation holds: role, content (None = ""), and
-    tool calls by name and parsed arguments. Ids and fields an SDK adds (refusal, annotations) do not count."""
+    """Whether a message an agent sends back is the one the conversation holds, in what a shipped template renders:
+    role; content as text (`content_text`: None = "", text parts = their text, so a string resent as parts is the same
+    message); tool calls by name and parsed arguments; and `reasoning_content` when the agent sends one: Qwen3's
+    template renders it, so one that differs from the held one (for the server's reply, the `<think>` block it
+    returned) is a rewrite, while leaving it out, as most SDKs do, is not. Not compared, because no shipped template
+    renders them: ids (`tool_call_id`, tool calls' `id`) and fields an SDK adds (refusal, annotations)."""
 
     def calls(message: dict[str, Any]) -> list[tuple[str, Any]]:
         return [
             (c["function"]["name"], _arguments(c["function"].get("arguments"))) for c in message.get("tool_calls") or []
         ]
 
+    reasoning = sent.get("reasoning_content")
     return (
         sent.get("role") == kept.get("role")
-        and (sent.get("content") or "") == (kept.get("content") or "")
+        and content_text(sent.get("content")) == content_text(kept.get("content"))
         and calls(sent) == calls(kept)
+        and (reasoning is None or reasoning == (kept.get("reasoning_content") or ""))
     )
 
 
@@ -108,6 +142,7 @@ class ChatFormat:
     tokenizer: PreTrainedTokenizerBase
     tool_call_format: str = "hermes"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking for Qwen3
+    _plain_ids: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_tool_call_format(self.tool_call_format)
@@ -115,20 +150,29 @@ class ChatFormat:
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation_prompt: bool = True
     ) -> str:
+        return self._apply([for_template(m) for m in messages], tools, generation_prompt)
+
+    def _apply(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation_prompt: bool
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            [for_template(m) for m in messages],
-            tools=tools,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            **self.template_kwargs,
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs
         )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """A conversation's first prompt: the template's rendering, with the generation prompt."""
-        return self.encode(self.render(messages, tools))
+        """A conversation's first prompt: the template's rendering, with the generation prompt.
+
+        Only the template's own text holds control tokens. Special-token text in any string value of a message (the
+        content of every role, the assistant's too, since a fresh rendering is not what was sampled; reasoning_content;
+        tool-call arguments; not `role`) or of `tools` is encoded as ordinary ids: each occurrence is wrapped in two
+        marker characters the rendering does not hold, the marked request is rendered again, and without its markers
+        that text must be the plain rendering (else ValueError: the template treats the marked text differently). The
+        plain rendering is encoded as before, and each control id read at a marked occurrence is replaced by that
+        text's ordinary ids (`_plain`). A request without special-token text is rendered once and encoded as is."""
+        return self._encode(*self._rendered(messages, tools, generation_prompt=True))
 
     @cached_property
     def turn_end(self) -> str:
@@ -146,18 +190,105 @@ class ChatFormat:
         """The ids that follow a sampled reply when `new_messages` are added: the part of the template's end of turn
         that was not sampled, the new messages, and the generation prompt. `stopped`: the reply ended with an end
         token the model sampled (its text, e.g. `<|im_end|>`, then starts the end of turn); otherwise (cut by length)
-        the whole end of turn is added."""
-        text = self.render([*_BASE, *new_messages], tools)
+        the whole end of turn is added. Special-token text in the new messages is ordinary ids, as in `prompt_ids`."""
+        text, spans = self._rendered([*_BASE, *new_messages], tools, generation_prompt=True)
         start = text.index(_MARK) + len(_MARK)
         if not text.startswith(self.turn_end, start):
             raise ValueError("the chat template ends an assistant turn differently when messages follow it")
-        delta = text[start + len(self.turn_end) :]
+        cut = start + len(self.turn_end)
         rest = self.turn_end
         if stopped and sampled_ids:
             end_token = self.tokenizer.decode(sampled_ids[-1:], skip_special_tokens=False)
             if rest.startswith(end_token):
                 rest = rest[len(end_token) :]
-        return self.encode(rest + delta)
+        shift = len(rest) - cut  # positions in `text` -> positions in `rest + delta`
+        return self._encode(rest + text[cut:], [(s + shift, e + shift) for s, e in spans if s >= cut])
+
+    # ---- special-token text in what the request carries: ordinary ids ---------------------------------------------
+    @cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The text of the tokenizer's special (control) tokens, longest first. Read off its added tokens:
+        `all_special_tokens` names only those with a role (eos, pad, ...), not e.g. `<|im_start|>`."""
+        added = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        return tuple(sorted(added | set(self.tokenizer.all_special_tokens), key=len, reverse=True))
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.convert_tokens_to_ids(list(self.special_tokens)))
+
+    @cached_property
+    def _special_text(self) -> re.Pattern[str]:
+        return re.compile("|".join(map(re.escape, self.special_tokens)) or "(?!)")  # leftmost-longest, as tokenizers
+
+    def _rendered(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation_prompt: bool
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The template's rendering of `messages`, and the spans of it, in order, that hold special-token text the
+        request carried (not the template's own): what `_encode` turns into ordinary ids."""
+        prepared = [for_template(m) for m in messages]
+        text = self._apply(prepared, tools, generation_prompt)
+        free = (chr(c) for c in range(0xF0000, 0xFFFFE) if chr(c) not in text)  # private use, not in the rendering
+        left, right = next(free), next(free)
+        marked = [{k: v if k == "role" else self._mark(v, left, right) for k, v in m.items()} for m in prepared]
+        marked_tools = self._mark(tools, left, right)
+        if marked == prepared and marked_tools == tools:
+            return text, []
+        marked_text = self._apply(marked, marked_tools, generation_prompt)
+        pieces = re.split(f"{left}({self._special_text.pattern}){right}|[{left}{right}]", marked_text)
+        spans, at = [], 0
+        for i, piece in enumerate(pieces):
+            if i % 2 and piece is None:
+                raise ValueError("the chat template cut special-token text in a message; it cannot be told apart")
+            if i % 2:
+                spans.append((at, at + len(piece)))
+            at += len(piece)
+        if "".join(pieces) != text:
+            raise ValueError("the chat template renders a message differently once its special-token text is marked")
+        return text, spans
+
+    def _mark(self, value: Any, left: str, right: str) -> Any:
+        """`value` with each special-token text in its strings (not in dict keys) wrapped in `left` and `right`."""
+        if isinstance(value, str):
+            return self._special_text.sub(lambda match: f"{left}{match.group(0)}{right}", value)
+        if isinstance(value, dict):
+            return {k: self._mark(v, left, right) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self._mark(v, left, right) for v in value]
+        return value
+
+    def _encode(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """`text`'s ids, where each control token the tokenizer reads inside one of `spans` is ordinary ids instead."""
+        if not spans:
+            return self.encode(text)
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids: list[int] = []
+        pending = iter(spans)
+        span = next(pending, None)
+        for token, (s, e) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True):
+            while span is not None and span[1] <= s:  # passed without a control token read there
+                span = next(pending, None)
+            if span is not None and token in self._special_ids and s <= span[0] and span[1] <= e:
+                ids += self._plain(text[s:e])
+                span = next(pending, None)
+            else:
+                ids.append(token)
+        return ids
+
+    def _plain(self, piece: str) -> list[int]:
+        """A special token's text as ordinary ids (the tokenizer's `split_special_tokens`), encoded after a newline
+        that is then dropped, so a SentencePiece tokenizer adds no word-start space (alone if the newline merges)."""
+        if piece not in self._plain_ids:
+
+            def as_text(text: str) -> list[int]:
+                return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+            newline, ids = self.encode("\n"), as_text("\n" + piece)
+            ids = ids[len(newline) :] if ids[: len(newline)] == newline else as_text(piece)
+            self.encode("")  # a fast tokenizer keeps `split_special_tokens` on until its next call: set it back
+            if self._special_ids.intersection(ids) or self.tokenizer.decode(ids) != piece:
+                raise ValueError(f"the tokenizer cannot encode {piece!r} as ordinary text")
+            self._plain_ids[piece] = ids
+        return self._plain_ids[piece]
 
     def reply(self, text: str, tools: bool) -> dict[str, Any]:
         """The assistant message of a sampled reply (special tokens dropped): a leading `<think>` block becomes

@@ -205,3 +205,58 @@ def test_a_later_call_that_breaks_the_sequence_ends_the_rollout_instead_of_faili
     _, second = asyncio.run(restart())
     calls = server.pop_records("r0")
     assert second == "" and calls[1].finish_reason == "length" and calls[1].completion_ids == []
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-abc"}},
+    ],
+)
+def test_a_content_part_that_is_not_text_is_refused_naming_it(tiny, part: dict[str, Any]) -> None:
+    server = server_for(tiny)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "text", "text": "What is in the table?"}, part]},
+    ]
+    refusal = f"messages[1].content[1]: a {part['type']!r} part is not supported"
+    with pytest.raises(UnsupportedRequest, match=re.escape(refusal)):
+        asyncio.run(server.chat_model("r0", {"temperature": 0.0}).chat(messages))
+    with pytest.raises(openai.BadRequestError, match=re.escape(refusal)):
+        asyncio.run(server.chat_model("r1", {"temperature": 0.0}, wire=True).chat(messages))
+    assert not server.pop_records("r0") and not server.pop_records("r1")  # refused before rendering: nothing sampled
+
+
+def tool(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_later_call_with_other_tools_is_a_fresh_rendering_and_the_rollout_inexact(tiny) -> None:
+    """Tools are rendered in the first prompt: a later call whose `tools` differ cannot continue it. It is answered
+    from a fresh rendering that shows the new tools, and the rollout is excluded as `inexact`; the same tools again
+    continue."""
+    server = server_for(tiny, max_prompt_tokens=512)
+    first_tools = [tool("people")]
+
+    async def rollout(rollout_id: str, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        chat = server.chat_model(rollout_id, {})
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Hi"}]
+        first = await chat.client.chat.completions.create(
+            model=chat.model, messages=messages, tools=first_tools, max_tokens=4, temperature=0.0
+        )
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        await chat.client.chat.completions.create(
+            model=chat.model, messages=messages, tools=tools, max_tokens=4, temperature=0.0
+        )
+        return messages
+
+    asyncio.run(rollout("same", [tool("people")]))
+    messages = asyncio.run(rollout("other", [tool("table")]))
+    same, other = server.pop_records("same"), server.pop_records("other")
+    assert same[1].continues and not isinstance(flatten(same, max_completion_tokens=1000), str)
+    assert not other[1].continues and flatten(other, max_completion_tokens=1000) == "inexact"
+    assert other[1].prompt_ids == server.chat_format.prompt_ids(messages, [tool("table")])
+    assert '"name": "table"' in server.tokenizer.decode(other[1].prompt_ids)
+    assert '"name": "people"' not in server.tokenizer.decode(other[1].prompt_ids)

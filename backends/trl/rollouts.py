@@ -12,7 +12,8 @@ Fail closed: a rollout that cannot be trained on exactly is excluded, and counte
 `rollout/excluded_<reason>_rate`:
 - `agent_error`: the agent raised, or a model call failed (e.g. its first prompt was too long);
 - `reward_error`: the reward raised, timed out or returned None (missing);
-- `inexact`: a call's messages did not extend the conversation (the agent rewrote or dropped a message);
+- `inexact`: a call's messages did not extend the conversation (the agent rewrote or dropped a message, or changed
+  `tools`);
 - `overflow`: the rollout went on after its response budget was spent (a call got an empty reply it never sampled).
 An excluded rollout's sample is one masked token with reward None: TRL leaves it out of its group's baseline, gives
 it advantage 0, and its loss mask is all zeros, so it gets no gradient at all (also none from a KL term).
