@@ -90,9 +90,11 @@ def test_values_used_twice_are_written_once() -> None:
 
 
 def test_tiny_selects_its_warm_start_and_cpu_sizes_but_real_models_do_not() -> None:
-    assert compose_with().warmstart.name == "sft" and compose_with().algorithm.max_steps > 0
+    tiny = compose_with()
+    assert tiny.warmstart.name == "sft_tiny" and tiny.warmstart.rl_tasks == 16 and tiny.algorithm.max_steps > 0
+    assert tiny.algorithm.pool_samples == 8
     real = compose_with("model=qwen7b")
-    assert not real.warmstart and real.algorithm.max_prompt_length == 4096
+    assert not real.warmstart and real.algorithm.max_prompt_length == 4096 and real.algorithm.pool_samples is None
 
 
 def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shortens_it() -> None:

@@ -16,6 +16,7 @@ from data.dbbench import DBBenchData
 from data.med_qa import MedQAData
 from data.spider import SpiderData
 from data.splits import KIND, held_out_text_in, kind_distance, sql_skeleton, stratified_split
+from foundation.errors import ConfigError
 from tests.conftest import FAST_RUN, launch
 
 SMALL_DISTANCE = 0.1  # total variation between the phases' kind mixes a split may leave (a random one: ~0.18 here)
@@ -64,6 +65,22 @@ def test_the_warm_start_split_is_not_file_order_and_keeps_the_kind_mix(mini: Spi
     assert {t[KIND] for t in warm} >= {k for k, n in sizes.items() if n * share >= 1}
     assert {t[KIND] for t in rl} >= {k for k, n in sizes.items() if n * (1 - share) >= 1}
     assert SFTWarmstart(task_share=share).split(tasks, seed=1)[0] != warm
+
+
+def test_rl_tasks_holds_about_that_many_tasks_out_of_the_warm_start_stratified(mini: SpiderData) -> None:
+    """model=tiny's split: GRPO on 16 tasks, the warm start on the others, drawn across kinds (not the file's first or
+    last 16); a share below 1 decides over the count; a count of every task is refused."""
+    tasks = mini.train_tasks()
+    warm, rl = SFTWarmstart(rl_tasks=16).split(tasks, seed=0)
+    assert abs(len(rl) - 16) <= 1 and len(warm) + len(rl) == len(tasks)
+    assert {t["id"] for t in warm}.isdisjoint(t["id"] for t in rl)
+    assert len({t[KIND] for t in rl}) >= len(rl) // 2  # spread over kinds, as the file's first 16 are not
+    assert [t["id"] for t in rl] not in ([t["id"] for t in tasks[: len(rl)]], [t["id"] for t in tasks[-len(rl) :]])
+    assert SFTWarmstart(rl_tasks=16, task_share=0.5).split(tasks, seed=0) == SFTWarmstart(task_share=0.5).split(
+        tasks, seed=0
+    )
+    with pytest.raises(ConfigError, match="leaves the warm start none"):
+        SFTWarmstart(rl_tasks=len(tasks)).split(tasks, seed=0)
 
 
 def test_dev_and_test_are_disjoint_and_ask_the_same_mix(mini: SpiderData) -> None:

@@ -59,15 +59,13 @@ class SFTWarmstart:
     concurrency: int = number(64, gt=0)  # agent runs at once while demonstrations are collected
     seed: int | None = number(None, ge=0)  # the demonstrations' and the training's seed (None: the run's)
     task_share: float = number(1.0, gt=0, le=1)  # of the training tasks, this share (stratified); the rest: GRPO's
-    rl_tasks: int | None = number(None, gt=0)  # or: GRPO's are about this many (stratified), the warm start's the rest
+    rl_tasks: int | None = number(None, gt=0)  # with task_share 1: GRPO's are about this many, the warm start the rest
     shared: bool = False  # one checkpoint in cache_dir for every run asking for the same warm start (arms, seeds)
     cache_dir: str = ".cache/warmstarts"  # where shared warm starts are kept
     path: str | None = None  # a warm start built before (its checkpoint directory): loaded, never trained here
     weights_sha256: str | None = None  # the digest `path`'s weights must have (a run's summary: sft.weights_sha256)
 
     def __post_init__(self) -> None:
-        if self.rl_tasks is not None and self.task_share != 1:
-            raise ConfigError("warmstart.rl_tasks and warmstart.task_share both split the tasks: set one of them")
         if self.path is None:
             if self.weights_sha256 is not None:
                 raise ConfigError("warmstart.weights_sha256 checks warmstart.path, which is not set")
@@ -82,10 +80,11 @@ class SFTWarmstart:
 
     def split(self, tasks: list[dict[str, Any]], seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the warm start's tasks, the tasks GRPO and the control train on): all of them for both when `task_share`
-        is 1 and `rl_tasks` unset; else `task_share` of them (or all but about `rl_tasks`), drawn with `seed`
-        (`data.split_seed`) in the proportions of every kind of task (`data.splits`), and the others, which the warm
-        start never sees."""
-        share = self.task_share if self.rl_tasks is None else 1 - self.rl_tasks / max(len(tasks), 1)
+        is 1 and `rl_tasks` unset; else `task_share` of them (a share below 1 decides; at 1, all but about
+        `rl_tasks`), drawn with `seed` (`data.split_seed`) in the proportions of every kind of task (`data.splits`),
+        and the others, which the warm start never sees."""
+        by_count = self.task_share == 1 and self.rl_tasks is not None
+        share = 1 - self.rl_tasks / max(len(tasks), 1) if by_count else self.task_share
         if share == 1:
             return tasks, tasks
         asked = (
