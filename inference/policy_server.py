@@ -324,6 +324,7 @@ class PolicyServer:
             and (tools or None) == state.tools
             and len(messages) >= len(kept)
             and all(same_message(sent, held) for sent, held in zip(messages, kept, strict=False))
+            and not self.chat_format.drops_thinking(kept, messages[len(kept) :])
         )
         if not extends:
             return self.chat_format.prompt_ids(messages, tools), False

@@ -142,6 +142,7 @@ class ChatFormat:
     tokenizer: PreTrainedTokenizerBase
     tool_call_format: str = "hermes"
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking for Qwen3
+    keep_thinking: bool = True  # earlier replies' thinking across a new user message: as sampled (`drops_thinking`)
     _plain_ids: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +174,18 @@ class ChatFormat:
         plain rendering is encoded as before, and each control id read at a marked occurrence is replaced by that
         text's ordinary ids (`_plain`). A request without special-token text is rendered once and encoded as is."""
         return self._encode(*self._rendered(messages, tools, generation_prompt=True))
+
+    def drops_thinking(self, kept: list[dict[str, Any]], new_messages: list[dict[str, Any]]) -> bool:
+        """Whether continuing the sampled tokens with `new_messages` is refused for thinking: with `keep_thinking`
+        off, when a new user message follows a reply that thought (`reasoning_content`). Qwen3's template drops that
+        thinking from every turn before the last user message, so a deployed model never sees it there; token in,
+        token out keeps it as sampled. Off, such a call is answered from the template's rendering, and its rollout,
+        which cannot be one sample then, is excluded (`inexact`) instead of trained on a prompt no deployment makes."""
+        return (
+            not self.keep_thinking
+            and any(m.get("role") == "user" for m in new_messages)
+            and any(m.get("role") == "assistant" and m.get("reasoning_content") for m in kept)
+        )
 
     @cached_property
     def turn_end(self) -> str:

@@ -37,6 +37,7 @@ class HubModel:
     dtype: str = one_of("auto", DTYPES)
     attn_implementation: str = one_of("sdpa", ATTN_IMPLEMENTATIONS)
     enable_thinking: bool | None = None  # Qwen3's thinking switch, passed to the chat template (None: its default)
+    keep_thinking: bool = True  # thinking before a new user message: kept as sampled, or the rollout excluded (False)
 
     def __post_init__(self) -> None:
         if not (self.hub_id or self.path):
@@ -66,7 +67,7 @@ class HubModel:
     def chat_format(self, tokenizer: PreTrainedTokenizerBase) -> ChatFormat:
         """How prompts are rendered and replies read for this model (token in, token out across turns)."""
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
-        return ChatFormat(tokenizer, self.tool_call_format, kwargs)
+        return ChatFormat(tokenizer, self.tool_call_format, kwargs, keep_thinking=self.keep_thinking)
 
     def load_model(self, source: str, device: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(

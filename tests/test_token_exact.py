@@ -404,3 +404,35 @@ def test_resent_reasoning_content_that_differs_is_a_rewrite_and_a_changed_tool_c
         assert all(c.continues for c in calls[1:]) and not isinstance(flatten(calls, 100_000), str), rollout_id
     calls = server.pop_records("rewritten")
     assert not calls[1].continues and flatten(calls, 100_000) == "inexact"
+
+
+def test_with_keep_thinking_off_a_user_message_after_thinking_is_rendered_and_the_rollout_excluded(
+    spider_mini_dir: Path, tmp_path: Path
+) -> None:
+    """Qwen3 with thinking: the check step's user message follows a reply that thought. Kept as sampled by default
+    (the test above); with `keep_thinking` off, that call is the template's rendering, which has dropped the thinking,
+    and the rollout is excluded as inexact instead of trained."""
+    built = parts("spider_sql", spider_mini_dir)
+    task = built["data"].val_tasks()[0]
+    texts = [f"{THOUGHT}```sql\n{task['query']}\n```", "THE QUERY IS CORRECT"]
+    model, tokenizer = tiny_with("qwen3", tmp_path, [*texts, task["question"]] * 3)
+    for keep in (True, False):
+        engine = ScriptedEngine(tokenizer, texts)
+        server = PolicyServer(
+            model,
+            tokenizer,
+            max_prompt_tokens=8192,
+            max_response_tokens=8192,
+            engine=engine,
+            chat_format=ChatFormat(tokenizer, "hermes", keep_thinking=keep),
+        )
+        trajectory = asyncio.run(built["agent"].run(task, server.chat_model("r0", {"temperature": 1.0})))
+        calls = server.pop_records("r0")
+        assert trajectory.error is None and len(calls) == 2
+        check_prompt = tokenizer.decode(calls[1].prompt_ids)
+        if keep:
+            assert calls[1].continues and "The table people" in check_prompt
+            assert_exact(flatten(calls, 100_000), calls, engine)
+        else:
+            assert not calls[1].continues and "The table people" not in check_prompt
+            assert flatten(calls, 100_000) == "inexact"
