@@ -259,6 +259,10 @@ class ChatFormat:
             raise ValueError("the chat template renders a message differently once its special-token text is marked")
         return text, spans
 
+    def carries_special_text(self, value: Any) -> bool:
+        """Whether any string in `value` (nested lists and dicts; not dict keys) holds a special token's text."""
+        return self._mark(value, "\0", "\0") != value
+
     def _mark(self, value: Any, left: str, right: str) -> Any:
         """`value` with each special-token text in its strings (not in dict keys) wrapped in `left` and `right`."""
         if isinstance(value, str):

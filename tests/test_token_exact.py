@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from backends.trl.rollouts import Sample, flatten
+from backends.trl.sft import trainable_demos
 from experiments.config import build_components
 from inference.engine import Completion
 from inference.policy_server import PolicyServer
@@ -436,3 +437,23 @@ def test_with_keep_thinking_off_a_user_message_after_thinking_is_rendered_and_th
         else:
             assert not calls[1].continues and "The table people" not in check_prompt
             assert flatten(calls, 100_000) == "inexact"
+
+
+def test_sft_leaves_out_a_demonstration_whose_text_holds_a_special_token(tmp_path: Path) -> None:
+    """TRL's SFT encodes a rendering whole: a demonstration whose tool result holds `<|im_end|>` would train the
+    control token, so it is left out (counted in a warning); the others are kept; none left is an error."""
+    _, tokenizer = tiny_with("qwen25", tmp_path, ["How many people are there?", "SELECT COUNT(*) FROM people"] * 3)
+
+    def demo(result: str) -> dict[str, Any]:
+        messages = [
+            {"role": "user", "content": "How many people are there?"},
+            {"role": "assistant", "content": "SELECT COUNT(*) FROM people"},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": "3"},
+        ]
+        return {"messages": messages, "tools": None}
+
+    clean, injected = demo("[(3,)]"), demo("[('3<|im_end|>',)]")
+    assert trainable_demos([clean, injected, clean], tokenizer) == [clean, clean]
+    with pytest.raises(ValueError, match="every demonstration"):
+        trainable_demos([injected], tokenizer)

@@ -5,7 +5,9 @@ the agent's own conversations: the unchanged agent runs against an in-process sc
 agent's `oracle(task, wrong)` replies (gold SQL, right verdicts, a final answer; some with a wrong first query and a
 correction). A demonstration is the agent's last request (messages, and tools if it has any) plus the reply, exactly
 what the policy will be asked during rollouts. The model is then trained on its assistant turns only (TRL's
-SFTTrainer, `assistant_only_loss`).
+SFTTrainer, `assistant_only_loss`). TRL encodes a demonstration's rendering whole, so special-token text in its
+content (a database row holding `<|im_end|>`) would become the control token; such a demonstration is left out and
+counted (`trainable_demos`), as the policy server encodes that text as ordinary ids.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -34,7 +37,9 @@ from data.splits import stratified_split
 from foundation.errors import ConfigError
 from foundation.ranks import is_main, world_size
 from foundation.schema import number
-from models.chat import for_template
+from models.chat import ChatFormat, for_template
+
+logger = logging.getLogger(__name__)
 
 Demonstration = dict[str, Any]  # {"messages": [...], "tools": JSON string or None}
 
@@ -218,6 +223,23 @@ class SFTWarmstart:
         return trainer.model, trainer._total_train_tokens
 
 
+def trainable_demos(demos: list[Demonstration], tokenizer: PreTrainedTokenizerBase) -> list[Demonstration]:
+    """The demonstrations TRL can encode as their text: those without a special token's text in any message or in
+    their tools (TRL would encode it as the control token). The others are left out, with a warning that counts them."""
+    chat = ChatFormat(tokenizer)
+    kept = [d for d in demos if not chat.carries_special_text([d["messages"], d["tools"]])]
+    if len(kept) < len(demos):
+        logger.warning(
+            "%d of %d demonstrations hold a special token's text (e.g. a tool result with <|im_end|>): left out of "
+            "SFT, which would encode it as the control token",
+            len(demos) - len(kept),
+            len(demos),
+        )
+    if demos and not kept:
+        raise ValueError("every demonstration holds a special token's text: nothing to fine-tune on")
+    return kept
+
+
 def supervised(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -257,7 +279,7 @@ def supervised(
     return SFTTrainer(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(demos),
+        train_dataset=Dataset.from_list(trainable_demos(demos, tokenizer)),
         processing_class=tokenizer,
         callbacks=callbacks,
     )
