@@ -23,7 +23,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import get_method
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import build_group, check_job, check_run
 from experiments.ranks import write_rank_results
@@ -105,6 +105,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     if hydra.mode == RunMode.MULTIRUN and (previous := completed_run(run.path, overrides)) is not None:
         print(f"run directory: {run.path}\nstatus: completed before with the same overrides, not run again", flush=True)
         return previous
+    # the same run only (resumed, requeued): else stop here, before an attempt is counted or anything is written
+    run.check_same_run(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
     commit = git_commit()
     attempt = {
         "started": datetime.now().isoformat(timespec="seconds"),

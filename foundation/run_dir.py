@@ -1,5 +1,6 @@
 """The run directory, the one thing analysis reads: `.hydra/`, `metrics.jsonl`, `summary.json`, `attempts.jsonl`,
-`checkpoints/`, `samples/`."""
+`run_config.json` (the composed config of its latest start: a later start must be the same run), `checkpoints/`,
+`samples/`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any, Protocol
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import OmegaConf
+
+from foundation.errors import ConfigError
 
 
 def _jsonable(value: Any) -> Any:
@@ -87,6 +90,29 @@ class RunDir:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
+    def check_same_run(self, config: dict[str, Any]) -> None:
+        """Before a start in this directory: a directory that holds a run takes only that run again (resumed, requeued,
+        extended), never a run of other settings, whose steps would mix with its checkpoints and metrics. Raises
+        ConfigError naming each changed key (what may change between starts: `MAY_CHANGE`); else records `config`."""
+        path = self.path / RUN_CONFIG
+        config = json.loads(json.dumps(config, default=str))  # as it reads back
+        if path.is_file():
+            before = json.loads(path.read_text(encoding="utf-8"))
+            changed = [k for k in config_changes(before, config) if not k.startswith(MAY_CHANGE)]
+            if changed:
+                was, now = _flat(before), _flat(config)
+                listed = "; ".join(
+                    f"{k}: {was.get(k, '(unset)')!r} there, {now.get(k, '(unset)')!r} now" for k in changed
+                )
+                raise ConfigError(
+                    f"{self.path} holds a run with other settings ({listed}): start this one in another directory "
+                    f"(hydra.run.dir), or resume that one with its own settings (between its starts only "
+                    f"{', '.join(MAY_CHANGE)} may change)"
+                )
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+        tmp.replace(path)
+
     def start_attempt(self, record: dict[str, Any]) -> int:
         """Append one line to `attempts.jsonl` each time the job starts in this directory (the first time, a re-run, a
         requeue after a preemption or a kill); returns how many times it has, this time included."""
@@ -98,6 +124,36 @@ class RunDir:
         tmp = self.summary_file.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str), encoding="utf-8")
         tmp.replace(self.summary_file)
+
+
+RUN_CONFIG = "run_config.json"
+# What may change between the starts of one run: where it writes and caches, what it logs to, and when it stops.
+MAY_CHANGE = (
+    "paths.",
+    "logger.",
+    "algorithm.max_steps",
+    "algorithm.epochs",
+    "algorithm.time_budget_s",
+    "algorithm.flops_budget",
+    "algorithm.save_every",
+    "algorithm.val_every",
+)
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists and empty dicts stay values."""
+    if not isinstance(config, dict) or not config:
+        return {prefix: config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat |= _flat(value, f"{prefix}.{key}" if prefix else str(key))
+    return flat
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The dotted keys whose values differ between two configs (a key in one only counts)."""
+    a, b = _flat(before), _flat(after)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
 def last_complete_checkpoint(folder: Path) -> str | None:

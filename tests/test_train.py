@@ -70,6 +70,11 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     sample = json.loads((run_dir / "samples" / "val_final.jsonl").read_text().splitlines()[0])
     assert {"question", "final_sql", "reward", "messages"} <= sample.keys()
 
+    # The same directory with another setting is another run: refused before it starts, naming the key
+    other = launch([*args, "algorithm.learning_rate=0.5"], cache_dir, tmp_path)
+    assert other.returncode != 0 and "holds a run with other settings (algorithm.learning_rate: " in other.stderr
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+
     # A crash after step 2: the last checkpoint and everything after it are gone. Running again resumes.
     shutil.rmtree(run_dir / "checkpoints" / "checkpoint-3")
     shutil.rmtree(run_dir / "checkpoints" / "final")
