@@ -7,7 +7,7 @@ exact versions installed in this machine's `.venv` minus what the GPU image alre
     python bench/gpu_wheels.py .vc/project.tar          # ~1 min from the package index; git-ignore .vc/
     # there:  mkdir -p /tmp/proj && tar -xf .vc/project.tar -C /tmp/pw && \
     #         pip install -q --no-deps --no-index --target /tmp/proj /tmp/pw/*.whl
-    #         export PYTHONPATH=/tmp/proj:/tmp/site      # /tmp/site: vLLM's bundle (../shared/gpu/README.md)
+    #         export PYTHONPATH=/tmp/proj:/tmp/site  # /tmp/site: vLLM's bundle (bench/README.md)
 
 /tmp/proj goes first on the path: vLLM's bundle carries openai 3, this project pins openai < 3 (vLLM accepts >= 2).
 """
