@@ -92,11 +92,7 @@ class SFTWarmstart:
         share = 1 - self.rl_tasks / max(len(tasks), 1) if by_count else self.task_share
         if share == 1:
             return tasks, tasks
-        asked = (
-            f"warmstart.task_share={self.task_share}"
-            if self.rl_tasks is None
-            else f"warmstart.rl_tasks={self.rl_tasks}"
-        )
+        asked = f"warmstart.rl_tasks={self.rl_tasks}" if by_count else f"warmstart.task_share={self.task_share}"
         if share <= 0:
             raise ConfigError(f"{asked} of {len(tasks)} training tasks leaves the warm start none")
         warm, rest = stratified_split(tasks, share, seed, "warmstart")
