@@ -10,28 +10,46 @@ directory (metrics.jsonl, samples, checkpoints) and its results to `ranks/result
 user (or the SLURM job) started, writes summary.json from them, as for a run of one process. Each rank's output is
 kept under `ranks/`: torchrun's layout (`ranks/<id>/attempt_0/<rank>/`, rank 0's shown on the console too) or
 `ranks/slurm-<job>.<restart>/<rank>/` under srun.
+
+Stopping: SIGTERM or SIGINT to this process (Ctrl-C, `kill`, an outer `timeout`) is forwarded to torchrun or srun,
+which forward it to the ranks: each ends its step with a checkpoint and exits. Ranks that have not exited after
+`STOP_GRACE_S` are killed (a second signal kills at once), and this process returns only when none of the run's
+processes is left: the ranks, and what they started (vLLM's engine processes). torchrun runs each rank in its own
+session, so a rank whose parent died is not in any process group of ours: this process is their subreaper (Linux),
+so it still finds them. Under srun, SLURM's step holds the ranks and their children: srun's double SIGINT ends it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from foundation.errors import ConfigError
+from foundation.interrupt import Interrupted
 from foundation.ranks import RANK_OF
 from foundation.run_dir import RunDir
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
 RESULTS = "ranks/results.json"
+# How long the ranks get to stop after a stop signal before they are killed: a rank ends its step and writes a
+# checkpoint first; torchrun itself kills its ranks 30 s after it forwarded the signal.
+STOP_GRACE_S = 60.0
+# prctl(2) options (linux/prctl.h)
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 def processes(cfg: DictConfig) -> int:
@@ -73,12 +91,91 @@ def launch_ranks(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={per_node}",
             f"--log-dir={logs}", "--redirects=3", "--tee=3", "--local-ranks-filter=0", *own,
         ]  # fmt: skip
-    finished = subprocess.run(command, env=env)
+    returncode = run_ranks(command, env, str(run.path), under_srun=in_slurm)
     results_file = run.path / RESULTS
-    if finished.returncode != 0 or not results_file.is_file():
-        raise RuntimeError(f"the run's {nodes * per_node} processes failed (exit {finished.returncode}); each "
+    if returncode != 0 or not results_file.is_file():
+        raise RuntimeError(f"the run's {nodes * per_node} processes failed (exit {returncode}); each "
                            f"rank's output: {logs}")  # fmt: skip
     return json.loads(results_file.read_text())
+
+
+def run_ranks(
+    command: list[str], env: dict[str, str], run_id: str, *, under_srun: bool, grace_s: float = STOP_GRACE_S
+) -> int:
+    """Run the ranks' starter (torchrun, or srun) to its end and return its exit status. On a stop signal, stop the
+    ranks (see the module's docstring) and raise it again. Either way, return only when no process of the run is
+    left: every descendant of this process whose environment names this run (`RANK_OF=run_id`) is ended."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a rank or engine left by its parent becomes our child, not init's
+    starter = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_stop_with_parent)
+    try:
+        return starter.wait()
+    except (Interrupted, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
+        print(f"{signum.name}: stopping the run's ranks (up to {grace_s:.0f} s; again: kill them now)", file=sys.stderr)
+        stop_starter(starter, signum, under_srun=under_srun, grace_s=grace_s)
+        raise
+    finally:
+        end_run_processes(run_id, wait_s=min(grace_s, 10.0))
+
+
+def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, grace_s: float) -> None:
+    """Forward `signum` to the ranks' starter and wait up to `grace_s` for it to exit; then (or on a second signal)
+    kill: srun ends its step on two SIGINTs within a second (SIGTERM, then SIGKILL to every process of the step),
+    torchrun is killed (its ranks are then ours to end, `end_run_processes`)."""
+    starter.send_signal(signum)
+    try:
+        starter.wait(timeout=grace_s)
+        return
+    except (subprocess.TimeoutExpired, Interrupted, KeyboardInterrupt):
+        pass
+    if under_srun and starter.poll() is None:
+        starter.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        starter.send_signal(signal.SIGINT)
+        try:
+            starter.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    starter.kill()
+    starter.wait()
+
+
+def end_run_processes(run_id: str, wait_s: float = 10.0) -> list[int]:
+    """End every descendant of this process that belongs to the run (its environment has `RANK_OF=run_id`):
+    SIGTERM, then SIGKILL after `wait_s`; wait for each (the orphans we adopted are reaped here). Their pids."""
+    procs = [p for p in psutil.Process().children(recursive=True) if _belongs(p, run_id)]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=wait_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=wait_s)
+    if procs:
+        print(f"ended {len(procs)} process(es) of the run left behind: {[p.pid for p in procs]}", file=sys.stderr)
+    return [p.pid for p in procs]
+
+
+def _belongs(proc: psutil.Process, run_id: str) -> bool:
+    try:
+        return proc.environ().get(RANK_OF) == run_id
+    except psutil.ZombieProcess:
+        return True  # dead, waiting to be reaped (an adopted orphan): reaping it is all that is left
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def _prctl(option: int, value: int) -> None:
+    """Linux's prctl(2); elsewhere nothing (no subreaper: a rank whose parent died is then not found)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def _stop_with_parent() -> None:
+    """In the starter, before it runs: SIGTERM to it when this process dies (even by SIGKILL), so it stops the ranks."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def srun_command(

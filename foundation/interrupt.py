@@ -18,7 +18,11 @@ from types import FrameType
 
 
 class Interrupted(BaseException):  # a BaseException, as KeyboardInterrupt: `except Exception` lets it through
-    """The process was told to stop (SIGTERM, SIGINT)."""
+    """The process was told to stop (SIGTERM, SIGINT); `signum` is the signal that told it."""
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM) -> None:
+        super().__init__(message)
+        self.signum = signal.Signals(signum)
 
 
 _state = {"deferring": False, "requested": None}
@@ -35,7 +39,7 @@ def _handle(signum: int, _frame: FrameType | None) -> None:
         _state["requested"] = name
         print(f"{name}: stopping after this step with a checkpoint ({name} again: stop now)", file=sys.stderr)
         return
-    raise Interrupted(name)
+    raise Interrupted(name, signum)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ rank 0 writes the one run directory; a run started again resumes from the sharde
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -85,3 +86,119 @@ def test_more_ranks_than_gpus_fail_before_starting() -> None:
     check_devices(cfg, gpus=2)
     check_devices(cfg, gpus=0)  # CPU ranks: gloo processes
     check_devices(compose_with("resources.gpus_per_node=2", "backend.device=cpu"), gpus=1)
+
+
+# A stand-in for torchrun and a rank's vLLM engine, both deaf to SIGTERM: the starter starts the "engine" in its own
+# session (as torchrun starts ranks), writes both pids, and sleeps.
+STUCK_STARTER = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+engine = subprocess.Popen([sys.executable, "-c", deaf], start_new_session=True)
+open(sys.argv[1], "w").write(f"{os.getpid()} {engine.pid}")
+time.sleep(600)
+"""
+
+# The launcher's side: run_ranks under the stop signals, as launch.py runs a multi-rank job.
+LAUNCHER = """
+import os, sys
+from experiments.ranks import run_ranks
+from foundation.interrupt import Interrupted, stop_signals
+from foundation.ranks import RANK_OF
+env = os.environ | {RANK_OF: "run-under-test"}
+try:
+    with stop_signals():
+        starter = [sys.executable, "-c", sys.argv[1], sys.argv[2]]
+        run_ranks(starter, env, "run-under-test", under_srun=False, grace_s=1.0)
+except Interrupted as stop:
+    print("interrupted by", stop.signum.name)
+    sys.exit(3)
+"""
+
+
+def test_a_stopped_launcher_leaves_no_process_of_its_run_also_one_in_another_session(tmp_path: Path) -> None:
+    """SIGTERM to the launcher: the starter ignores it and is killed after the grace period; the engine it left
+    behind, in its own session and deaf to SIGTERM, is adopted by the launcher (its subreaper) and killed too. The
+    launcher returns only after both are gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT, wait_for
+
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, STUCK_STARTER, str(pids)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: pids.is_file() and len(pids.read_text().split()) == 2, 60, "the starter and its engine")
+        starter, engine = (int(pid) for pid in pids.read_text().split())
+        assert psutil.Process(engine).ppid() == starter and os.getsid(engine) != os.getsid(starter)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 3 and "interrupted by SIGTERM" in out
+    assert not psutil.pid_exists(starter) and not psutil.pid_exists(engine)
+
+
+@pytest.mark.integration
+def test_sigterm_to_a_two_rank_run_stops_both_ranks_at_one_step_and_leaves_no_process(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to launch.py while 2 CPU ranks train: both end the same step with a checkpoint, the run says
+    `interrupted`, and no process of the run is left when launch.py returns."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from foundation.ranks import RANK_OF
+    from tests.conftest import ROOT, wait_for
+
+    run_dir = tmp_path / "run"
+    args = [*FAST_RUN, "resources.gpus_per_node=2", "algorithm.max_steps=50", f"hydra.run.dir={run_dir}"]
+    env = os.environ | {"ARL_CACHE_DIR": str(cache_dir), "ARL_OUTPUT_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "launch.log"
+
+    def run_processes() -> list[int]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(RANK_OF) == str(run_dir):
+                    found.append(proc.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    def steps() -> int:
+        metrics = run_dir / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "launch.py", *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for(lambda: steps() >= 2, 600, "the ranks' first GRPO step in metrics.jsonl")
+        assert len(run_processes()) >= 3  # torchrun and its two ranks
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=180)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0, log.read_text()[-3000:]
+    assert run_processes() == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary
+    # both ranks ended the same step and wrote their shards of its checkpoint
+    logs = [p.read_text() for p in sorted((run_dir / "ranks").rglob("stderr.log"))]
+    stops = {m for log in logs for m in re.findall(r"SIGTERM during GRPO: stopped after step (\d+)", log)}
+    assert len(logs) == 2 and all("SIGTERM during GRPO" in log for log in logs) and len(stops) == 1, stops
+    checkpoint = run_dir / "checkpoints" / f"checkpoint-{stops.pop()}"
+    shards = sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]

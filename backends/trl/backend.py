@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from signal import Signals
 from typing import Any
 
 import torch
@@ -262,7 +263,9 @@ class TRLBackend:
             trainer.train(resume_from_checkpoint=resume_from)
         if (signal_name := stop_requested()) is not None:
             step = trainer.state.global_step
-            raise Interrupted(f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}")
+            raise Interrupted(
+                f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}", Signals[signal_name]
+            )
         run.phase = "saving the final model"
         results["grpo"] = {
             "steps": trainer.state.global_step,
