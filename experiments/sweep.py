@@ -27,6 +27,23 @@ JOBS_FILE = "jobs.jsonl"
 QUEUED_STATES = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
 RUNNING_STATES = {"RUNNING", "CONFIGURING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING", "SUSPENDED", "STOPPED"}
 
+# Why a pending job can never start as it asks (squeue's reason, with EnforcePartLimits=NO SLURM queues such jobs
+# instead of refusing them), and the keys that ask for it.
+NEVER_STARTS = {
+    "PartitionConfig": "it asks more CPUs, memory or GPUs a node than the partition has: hydra.launcher.cpus_per_task, "
+    "hydra.launcher.mem_gb, resources.gpus_per_node, or another hydra.launcher.partition",
+    "PartitionNodeLimit": "it asks more nodes than the partition has or allows: resources.nodes, or another "
+    "hydra.launcher.partition",
+    "PartitionTimeLimit": "its time limit is over the partition's: hydra.launcher.timeout_min, or another "
+    "hydra.launcher.partition",
+    "BadConstraints": "no node meets its constraints: hydra.launcher.constraint",
+    "InvalidAccount": "its account does not exist or is not yours: hydra.launcher.account",
+    "InvalidQOS": "its QOS does not exist or is not allowed: hydra.launcher.qos",
+    "QOSNotAllowed": "its QOS is not allowed in this partition or account: hydra.launcher.qos",
+    "AccountNotAllowed": "its account may not use this partition: hydra.launcher.account, hydra.launcher.partition",
+}
+START_CHECK_S = 60.0  # how long after submission jobs are watched for a reason of NEVER_STARTS
+
 
 class RunDirConflict(RuntimeError):
     """A run directory holds a run of other overrides (another sweep wrote into this sweep directory)."""
@@ -108,6 +125,37 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
             if job_id in rest:
                 states[job_id] = state.split()[0] if state.strip() else "UNKNOWN"  # "CANCELLED by 0"
     return {j: states[j] for j in job_ids if j in states}
+
+
+def jobs_that_cannot_start(job_ids: list[str], within_s: float = START_CHECK_S, poll_s: float = 2.0) -> dict[str, str]:
+    """The jobs among `job_ids` that pend for a reason of NEVER_STARTS, with that reason. Each job is watched until
+    it starts, pends for a reason that can pass (Resources, Priority, ...) or for one that cannot; `within_s` at most
+    (SLURM's scheduler gives a new job its reason within a scheduling cycle, seconds)."""
+    if not job_ids or shutil.which("squeue") is None:
+        return {}
+    deadline = time.monotonic() + within_s
+    unsettled, stuck = set(job_ids), {}
+    while unsettled:
+        listed = subprocess.run(
+            ["squeue", "-h", "-r", "-j", ",".join(sorted(unsettled)), "-o", "%i|%T|%r"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        reasons = {}
+        for line in listed.stdout.splitlines():
+            job_id, state, reason = (part.strip() for part in line.split("|", 2))
+            reasons[job_id] = reason if state == "PENDING" else state
+        for job_id in list(unsettled):
+            reason = reasons.get(job_id, "gone")
+            if reason in NEVER_STARTS:
+                stuck[job_id] = reason
+            if reason != "None":  # "None": not looked at by the scheduler yet
+                unsettled.discard(job_id)
+        if not unsettled or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    return stuck
 
 
 def listed_state(job_id: str) -> str | None:

@@ -300,3 +300,36 @@ def test_a_cancelled_job_fails_its_run_and_the_sweep_still_waits_for_the_others(
     assert summary(sweep_dir / "1")["status"] == "completed"  # ...once the other run has completed
     assert "has not produced any output" in output  # submitit's error for the cancelled job, raised last by Hydra
     assert statuses(sweep_dir) == {0: "failed", 1: "completed"}
+
+
+@pytest.mark.integration
+def test_a_job_that_can_never_start_fails_its_run_at_once(slurm_cluster: None, tmp_path: Path) -> None:
+    """The job asks 8 CPUs of a 2-CPU partition: SLURM queues it (Reason=PartitionConfig), where it would wait
+    forever. The launcher finds it within a minute of submitting it, cancels it and fails its run, naming the reason
+    and the keys to change."""
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    args = [
+        "-m",
+        "job._target_=tests.jobs.quick",
+        "+job._schema_=tests.jobs.QuickJob",
+        *SLURM,
+        "hydra.launcher.cpus_per_task=8",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    sweep = start_sweep(args, env_for(tmp_path / "cache", tmp_path), log)
+    try:
+        returncode = sweep.wait(timeout=300)  # a hang guard; the launcher gives up on the job after 60 s at most
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    output = log.read_text()
+    assert returncode == 1, output[-3000:]
+    job_id = submitted_jobs(sweep_dir)[0]["job_id"]
+    reason = f"job {job_id} can never start (SLURM: Reason=PartitionConfig)"
+    assert reason in output and "hydra.launcher.cpus_per_task" in output, output[-3000:]
+    failed = summary(sweep_dir / "0")
+    assert failed["status"] == "failed" and failed["error"].startswith(reason) and "cancelled" in failed["error"]
+    listed = subprocess.run(["squeue", "-h", "-r", "-j", job_id], capture_output=True, text=True, timeout=60)
+    assert listed.stdout.strip() == ""  # cancelled, not left pending
+    assert not (sweep_dir / "0" / "executions").is_file()  # it never ran
+    assert statuses(sweep_dir) == {0: "failed"}

@@ -5,6 +5,9 @@
 - Each submitted job is appended to `<sweep_dir>/jobs.jsonl`, which `python -m analysis.status <sweep_dir>` reads.
 - `hydra.launcher.wait=false` submits and returns: no process waits for the sweep.
 - A job of several nodes runs its run once, as task 0 on its first node (`srun_args`), and is waited for as such.
+- A job that can never start as it asks (squeue's reason PartitionConfig: more CPUs or memory than the partition
+  has; PartitionTimeLimit, ...) is found within a minute of its submission, cancelled, and its run fails with the
+  reason and the keys to change (`summary.json` says so too); the other runs go on.
 - Waiting survives requeues (a job that SLURM still lists is waited for again), and a job that ends without a result
   (cancelled, killed for memory) is a failed run: the others are still waited for, then the sweep exits non-zero.
 
@@ -23,7 +26,8 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf, open_dict
 
-from experiments.sweep import completed_run, listed_state, live_jobs, record_jobs
+from experiments.sweep import NEVER_STARTS, completed_run, jobs_that_cannot_start, listed_state, live_jobs, record_jobs
+from foundation.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,10 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             )
             waiting |= {num: (job, ov) for (num, ov), job in zip(todo, jobs, strict=True)}
             log.info(f"Submitted {len(jobs)} job(s) to SLURM: {', '.join(job.job_id for job in jobs)}")
+            stuck = jobs_that_cannot_start([job.job_id for job in jobs])
+            for num, job in zip((num for num, _ in todo), jobs, strict=True):
+                if job.job_id in stuck:
+                    returns[num] = self._never_starts(num, job.job_id, stuck[job.job_id], waiting.pop(num)[1])
         if not self.wait:
             log.info(
                 f"Not waiting (hydra.launcher.wait=false); the sweep's state: python -m analysis.status {sweep_dir}"
@@ -86,6 +94,18 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
             # results that the other nodes' tasks never write.
             returns[num] = self._result(num, job.task(0), overrides)
         return [returns[num] for num in sorted(returns)]
+
+    def _never_starts(self, num: int, job_id: str, reason: str, overrides: list[str]) -> JobReturn:
+        """A job that pends for a reason it cannot leave: cancelled; its run fails saying why and what to change."""
+        import subprocess
+
+        message = f"job {job_id} can never start (SLURM: Reason={reason}): {NEVER_STARTS[reason]}; it was cancelled"
+        log.error(f"\t#{num} : {message}")
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+        RunDir(self._run_dir(num, overrides)).write_summary(
+            {"job": None, "overrides": overrides, "status": "failed", "error": message, "slurm_job_id": job_id}
+        )
+        return JobReturn(overrides=overrides, status=JobStatus.FAILED, _return_value=RuntimeError(message))
 
     @staticmethod
     def _result(num: int, job: Any, overrides: list[str]) -> JobReturn:
