@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import TrainerCallback
 
+    from backends.memory import DeviceMemory
     from backends.trl.backend import _passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
@@ -208,8 +209,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             engine=engine,
         )
         server.seed = args.seed
+        # what the GPU has in use, per phase (the same figures as a training run's summary: backends/memory.py)
+        memory = DeviceMemory(args.device).start() if torch.cuda.is_available() else None
         rollouts = AgentRollouts(
-            agent, parts["reward"], server, algo.sampling(algo.temperature), algo.max_response_length
+            agent, parts["reward"], server, algo.sampling(algo.temperature), algo.max_response_length, memory=memory
         )
 
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -267,6 +270,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - wall
+        if memory is not None:
+            memory.stop()
         timed = per_step[args.warmup :]
         steps = timer.steps[args.warmup :]
         rollout_s = statistics.median(s["rollout_s"] for s in timed)
@@ -286,9 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_scoring_s": statistics.median(s["scoring_s"] for s in timed),
             "median_weight_sync_s": statistics.median(s["weight_sync_s"] for s in timed),
             "prompt_tokens_mean": statistics.mean(prompt_tokens),
-            "peak_torch_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-            # GPU memory in use (the device's count, vLLM's own pool included) at the end of the rollout phases and
-            # after the updates; torch's peak counter is not reliable next to vLLM's sleep-mode allocator
+            # GPU memory in use (every process on the device, vLLM's own pool included), per phase; torch's peak
+            # counter is not used: vLLM's sleep mode unmaps memory it still counts
+            "gpu_memory": None if memory is None else memory.summary(),
             "peak_device_used_gib": max([server.device_used_gib] + [s["device_used_gib"] for s in per_step]),
             "wall_s": wall,
             "engine_stats": {k: getattr(engine, k) for k in ENGINE_STATS if hasattr(engine, k)},

@@ -6,11 +6,21 @@ a real model's shape built by `model=tiny`, no warm start) in its own run direct
 built model). A variant is `plain` (one process, `resources.gpus_per_node=1`), or `fsdp2xN`: N ranks sharded with
 FSDP2, started as `launch.py resources.gpus_per_node=N` starts them (torchrun). `fsdp2x1` is one rank under torchrun:
 the whole sharded path (accelerate's FSDP2 on CUDA with fp32 master weights, the gathered bf16 copy that the engine
-generates from, sharded checkpoints) on a machine with one GPU, with nothing to share it with.
+generates from, sharded checkpoints) on a machine with one GPU, with nothing to share it with. `VARIANT:T` runs it at T
+tasks a step (4 rollouts each) instead of 16: `fsdp2x2:32` gives each of 2 GPUs the work one GPU has at 16 (weak
+scaling).
+
+Memory: each row has the run's memory plan (its estimate per GPU, made before the ranks start: backends/memory.py)
+beside what each GPU had in use (sampled, every process on it), per phase, and what the engine freed when it slept.
+The 7B shape has Qwen2.5-7B's vocabulary rows and untied output layer (7.6B parameters; ids past the tiny tokenizer
+decode to nothing), so its memory is the real model's; the 1.5B shape keeps the tiny tokenizer's ~2k rows, as in the
+results committed before.
 
     python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x1 --out bench/results/x.json   # 1 GPU
     python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x2 --out ...                   # 2 GPUs
-    python bench/sharded_steps.py --shape qwen25_7b --variants fsdp2x2 --steps 3 --out ...          # 7B full, 2 GPUs
+    python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x2 fsdp2x2:32 --out ...  # + weak scaling
+    python bench/sharded_steps.py --shape qwen25_7b --variants fsdp2x2 --steps 3 \
+        --extra backend.offload=optimizer backend.vllm_gpu_memory_utilization=0.5 --out ...     # 7B full, 2 GPUs
     python bench/sharded_steps.py --shape tiny --device cpu --variants plain fsdp2x2 --steps 2       # the same on CPU
 
 Timings are medians over the steps after the first (which compiles and captures the engine's graphs), validation left
@@ -40,6 +50,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "qwen25_7b": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28},
 }
 KV_HEADS = {"tiny": 2, "qwen25_1_5b": 2, "qwen25_7b": 4}
+EMBEDDINGS = {"qwen25_7b": ["model.embedding_rows=152064", "model.tie_word_embeddings=false"]}
 
 # The workload: 16 tasks x 4 rollouts a step, the check step (up to 6 calls a rollout), 256 tokens a call at most
 RECIPE = [
@@ -54,20 +65,28 @@ RECIPE = [
     "algorithm.learning_rate=1e-6",
     "algorithm.val_every=1000",
     "algorithm.save_every=1000",
+    "algorithm.pool_samples=null",  # model=tiny's GRPO (grpo_tiny) filters a pool first: not this workload
     "data.generate.n_dev=16",
     "model.context_length=2560",
     "model.dtype=auto",
 ]
 
 
+def tasks_of(variant: str) -> int:
+    """Tasks a step of `variant` (`fsdp2x2:32`: 32; else the recipe's 16)."""
+    return int(variant.partition(":")[2] or 16)
+
+
 def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     shape = [f"model.{k}={v}" for k, v in SHAPES[args.shape].items()]
-    shape.append(f"model.num_key_value_heads={KV_HEADS[args.shape]}")
+    shape += [f"model.num_key_value_heads={KV_HEADS[args.shape]}", *EMBEDDINGS.get(args.shape, [])]
     common = [*RECIPE, *shape, f"algorithm.max_steps={args.steps}", f"backend.device={args.device}", *args.extra]
+    common.append(f"algorithm.tasks_per_step={tasks_of(variant)}")
     launch = [sys.executable, str(ROOT / "launch.py"), *common, f"hydra.run.dir={run_dir}"]
-    if variant == "plain":
+    kind = variant.partition(":")[0]
+    if kind == "plain":
         return launch
-    ranks = int(variant.removeprefix("fsdp2x"))
+    ranks = int(kind.removeprefix("fsdp2x"))
     if ranks > 1:
         return [*launch, f"resources.gpus_per_node={ranks}", "backend.sharding=fsdp2"]
     # one rank, as experiments/ranks.py starts each (a run of N > 1 processes starts them itself)
@@ -75,16 +94,19 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> li
 
 
 def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    run_dir = out_dir / variant
+    run_dir = out_dir / variant.replace(":", "-")
     env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
-    if variant == "fsdp2x1":
+    if variant.partition(":")[0] == "fsdp2x1":
         env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
     start = time.monotonic()
     finished = subprocess.run(variant_command(variant, args, run_dir), env=env, cwd=ROOT)
     wall = time.monotonic() - start
-    results_file = run_dir / ("ranks/results.json" if variant == "fsdp2x1" else "summary.json")
+    one_rank = variant.partition(":")[0] == "fsdp2x1"
+    results_file = run_dir / ("ranks/results.json" if one_rank else "summary.json")
     if finished.returncode != 0 or not results_file.is_file():
-        return {"variant": variant, "failed": f"exit {finished.returncode}; see {run_dir}", "wall_s": wall}
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        error = str(summary.get("error"))[-2000:]
+        return {"variant": variant, "failed": f"exit {finished.returncode}: {error}", "wall_s": wall}
     results = json.loads(results_file.read_text())
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     timed = steps[1:] or steps  # the first step compiles and captures
@@ -93,7 +115,7 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[s
         return statistics.median(m.get(key, 0.0) for m in timed)
 
     step_s = statistics.median(m["timing_s/step"] - m.get("timing_s/validation", 0.0) for m in timed)
-    rollouts = int(args.extra_rollouts or 0) or 16 * 4
+    rollouts = int(args.extra_rollouts or 0) or tasks_of(variant) * 4
     tokens = median("rollout/model_tokens_mean") * rollouts * (1 - median("rollout/excluded_rate"))
     return {
         "variant": variant,
@@ -105,6 +127,8 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[s
         "rollouts_per_s": rollouts / step_s,
         "model_tokens_per_s": tokens / step_s,
         "peak_gpu_memory_gb_per_rank": results.get("peak_gpu_memory_gb_per_rank"),
+        "gpu_memory_per_rank": results.get("gpu_memory_per_rank"),
+        "memory_plan": results.get("memory_plan"),
         "wall_s": wall,
     }
 
@@ -121,8 +145,11 @@ def main() -> None:
     parser.add_argument("--extra-rollouts", type=int, help="rollouts a step, if --extra changes them")
     args = parser.parse_args()
     for variant in args.variants:
-        if variant != "plain" and not (variant.startswith("fsdp2x") and variant.removeprefix("fsdp2x").isdigit()):
-            parser.error(f"unknown variant {variant!r}: plain or fsdp2xN")
+        kind, _, tasks = variant.partition(":")
+        if not (kind == "plain" or (kind.startswith("fsdp2x") and kind.removeprefix("fsdp2x").isdigit())):
+            parser.error(f"unknown variant {variant!r}: plain or fsdp2xN, each with :T for T tasks a step")
+        if tasks and not tasks.isdigit():
+            parser.error(f"unknown variant {variant!r}: T in VARIANT:T is a number of tasks")
 
     import torch
 
@@ -150,6 +177,8 @@ def main() -> None:
         },
         "shape": args.shape,
         "model": SHAPES[args.shape] | {"num_key_value_heads": KV_HEADS[args.shape]},
+        "embeddings": EMBEDDINGS.get(args.shape, ["the tiny tokenizer's rows, tied"]),
+        "extra": args.extra,
         "recipe": RECIPE,
         "rows": rows,
     }

@@ -35,6 +35,7 @@ class Resources:
 
     nodes: int = number(1, ge=1)
     gpus_per_node: int = number(1, ge=0)  # 0: CPU jobs (a SLURM sweep on a CPU cluster)
+    gpu_memory_gb: float | None = number(None, gt=0)  # each GPU's memory for the memory plan (null: read off the GPUs)
 
 
 @dataclass

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
+import subprocess
 from typing import Any
 
 from omegaconf import DictConfig
@@ -17,10 +20,12 @@ from foundation.run_dir import RunDir
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     parts = build_components(cfg)  # validated here, also before a run of several processes starts them
+    plan = None if started_by_launcher() else memory_plan(cfg, parts)  # before any model loads or rank starts
+    planned = {} if plan is None else {"memory_plan": plan}
     # backend=trl's ranks are started here; verl places its own workers on `resources` (Ray)
     if cfg.backend.name == "trl" and processes(cfg) > 1 and not started_by_launcher():
         parts["algorithm"].per_rank(processes(cfg))  # the ranks can share the step's batch
-        return summarize(launch_ranks(cfg, run_dir), run_dir)
+        return summarize(launch_ranks(cfg, run_dir), run_dir) | planned
     setup = TrainSetup(
         model=parts["model"],
         finetune=parts["finetune"],
@@ -32,7 +37,39 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
         seed=cfg.seed,
         run=run_dir,
     )
-    return summarize(parts["backend"].train(setup), run_dir)
+    return summarize(parts["backend"].train(setup), run_dir) | planned
+
+
+def memory_plan(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, Any] | None:
+    """backend=trl on GPUs: the memory plan per GPU (backends/memory.py), printed; a plan that does not fit stops
+    the run here (ConfigError). The GPUs' memory: `resources.gpu_memory_gb`, else read off this machine's GPUs
+    (nvidia-smi: no CUDA context in this process). None on CPU."""
+    backend = parts["backend"]
+    if cfg.backend.name != "trl" or cfg.backend.get("device", "auto") == "cpu":
+        return None
+    capacity = cfg.resources.get("gpu_memory_gb") or gpu_memory_gb()
+    if capacity is None:
+        return None
+    plan = backend.memory_plan(parts["model"], parts["finetune"], parts["algorithm"], processes(cfg), capacity)
+    print(plan["text"], flush=True)
+    return plan
+
+
+def gpu_memory_gb() -> float | None:
+    """The smallest memory (GB) of the GPUs this process sees (CUDA_VISIBLE_DEVICES), None where there are none."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
+    listed = subprocess.run(query, capture_output=True, text=True, timeout=60)
+    sizes = {}
+    for line in listed.stdout.splitlines():
+        index, _, mib = line.partition(",")
+        if index.strip().isdigit() and mib.strip().isdigit():
+            sizes[index.strip()] = int(mib) * 2**20 / 1e9
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
+        sizes = {i: size for i, size in sizes.items() if i in {v.strip() for v in visible.split(",")}}
+    return min(sizes.values(), default=None)
 
 
 def summarize(results: dict[str, Any], run_dir: RunDir) -> dict[str, Any]:

@@ -58,8 +58,16 @@ def _plain(name: str) -> str:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor: a DTensor gathered whole (a collective), anything else as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    """A plain tensor: a DTensor gathered whole (a collective), anything else as it is. A shard that FSDP2 keeps in
+    CPU memory (`backend.offload=all`) is copied to this rank's GPU first: NCCL gathers GPU tensors."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach()
+    if tensor.device.type == "cpu" and tensor.device_mesh.device_type == "cuda":
+        local = tensor.to_local().to(torch.device("cuda", torch.cuda.current_device()))
+        tensor = DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+        )
+    return tensor.full_tensor()
 
 
 def _merged(layer: Any, weight: torch.Tensor) -> torch.Tensor:

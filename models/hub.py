@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from foundation.schema import number, one_of
 from models.chat import TOOL_CALL_FORMATS, ChatFormat
@@ -68,6 +75,11 @@ class HubModel:
         """How prompts are rendered and replies read for this model (token in, token out across turns)."""
         kwargs = {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking}
         return ChatFormat(tokenizer, self.tool_call_format, kwargs, keep_thinking=self.keep_thinking)
+
+    def architecture(self) -> PretrainedConfig:
+        """The model's config (config.json alone: the memory plan's shape, before any weight loads)."""
+        self.check_available()
+        return AutoConfig.from_pretrained(self.source, local_files_only=_offline())
 
     def load_model(self, source: str, device: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(

@@ -19,7 +19,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from foundation.schema import number, one_of
 from models.chat import CHAT_TEMPLATES, chat_template, check_template_pair
-from models.hub import HubModel
+from models.hub import DTYPES, HubModel
 
 BUILD_VERSION = 2
 
@@ -87,6 +87,7 @@ class TinyModel(HubModel):
     """A Qwen3-architecture model small enough to train on 2 CPU cores in minutes."""
 
     cache_dir: str = ".cache/models"
+    dtype: str = one_of("float32", DTYPES)  # weights and compute (auto: bf16 on GPU, fp32 on CPU)
     vocab_size: int = number(2048, ge=256)  # the byte-level alphabet alone is 256 tokens: below it, no effect
     hidden_size: int = number(128, gt=0)
     intermediate_size: int = number(512, gt=0)
@@ -95,6 +96,10 @@ class TinyModel(HubModel):
     num_key_value_heads: int = number(2, gt=0)
     init_seed: int = number(0, ge=0)  # torch's seed for the random weights
     chat_template: str = one_of("qwen25", CHAT_TEMPLATES)  # the tokenizer's (models/chat_templates/)
+    # A real model's shape for benchmarks: its vocabulary's rows in the embedding (null: the tokenizer's size; ids
+    # past the tokenizer decode to nothing), and its output layer apart from the embedding or tied to it.
+    embedding_rows: int | None = number(None, ge=256)
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:  # no hub_id or path needed: built here
         if self.hidden_size % self.num_attention_heads:
@@ -105,6 +110,9 @@ class TinyModel(HubModel):
 
     def build_dir(self, corpus_texts: list[str]) -> Path:
         arch = {k: v for k, v in asdict(self).items() if k not in ("name", "path", "cache_dir", "dtype")}
+        for key, default in (("embedding_rows", None), ("tie_word_embeddings", True)):  # builds from before them
+            if arch[key] == default:
+                del arch[key]
         digest = hashlib.sha256(json.dumps([BUILD_VERSION, arch, corpus_texts], sort_keys=True).encode()).hexdigest()
         return Path(self.cache_dir) / f"tiny-qwen3-{digest[:12]}"
 
@@ -118,11 +126,14 @@ class TinyModel(HubModel):
             self.build(target, corpus_texts)
         return str(target)
 
-    def build(self, target: Path, corpus_texts: list[str]) -> None:
-        tokenizer = train_tokenizer(corpus_texts, self.vocab_size, self.chat_template)
-        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
-        config = Qwen3Config(
-            vocab_size=len(tokenizer),
+    def architecture(self) -> Qwen3Config:
+        """The model's config before it is built (the memory plan's shape): the vocabulary at its largest, the
+        tokenizer trained on the corpus may be smaller."""
+        return self._config(self.embedding_rows or self.vocab_size, eos=None, pad=None)
+
+    def _config(self, vocab: int, eos: int | None, pad: int | None) -> Qwen3Config:
+        return Qwen3Config(
+            vocab_size=vocab,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
@@ -130,11 +141,18 @@ class TinyModel(HubModel):
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.hidden_size // self.num_attention_heads,
             max_position_embeddings=self.context_length,
-            tie_word_embeddings=True,
+            tie_word_embeddings=self.tie_word_embeddings,
             eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id,
+            pad_token_id=pad,
             bos_token_id=None,
         )
+
+    def build(self, target: Path, corpus_texts: list[str]) -> None:
+        tokenizer = train_tokenizer(corpus_texts, self.vocab_size, self.chat_template)
+        eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        if self.embedding_rows is not None and self.embedding_rows < len(tokenizer):
+            raise ValueError(f"model.embedding_rows={self.embedding_rows} is below the tokenizer's {len(tokenizer)}")
+        config = self._config(self.embedding_rows or len(tokenizer), eos, tokenizer.pad_token_id)
         torch.manual_seed(self.init_seed)
         model = Qwen3ForCausalLM(config)
         model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)

@@ -35,8 +35,9 @@ from trl import GRPOConfig
 from agent.rollout import EvalSummary
 from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
+from backends.memory import DeviceMemory, Setting, Shape, explain, plan_memory
 from backends.setup import TrainSetup
-from backends.trl.fsdp import SHARDINGS, fsdp_arguments
+from backends.trl.fsdp import OFFLOADS, SHARDINGS, OptimizerOffload, fsdp_arguments
 from backends.trl.pool import filtered_pool, pool_key, sample_pool
 from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
@@ -72,6 +73,8 @@ class TRLBackend:
     vllm_prefix_caching: bool = True
     vllm_sleep: bool = True
     vllm_enforce_eager: bool = False
+    offload: str = one_of("none", OFFLOADS)  # trainer state on CPU: none, optimizer (while generating), all (FSDP2)
+    memory_check: bool = True  # stop before the run starts when the memory plan does not fit the GPUs (false: warn)
 
     def __post_init__(self) -> None:
         self._engine: Engine | None = None
@@ -102,6 +105,34 @@ class TRLBackend:
                 ),
             )
         return self._engine
+
+    def memory_plan(self, model: Any, finetune: Any, algo: GRPO, ranks: int, capacity_gb: float) -> dict[str, Any]:
+        """The memory plan of this run on GPUs of `capacity_gb` (backends/memory.py), with its words in `text`;
+        raises ConfigError naming the keys to change when it does not fit (unless `memory_check=false`)."""
+        full = finetune.peft_config() is None
+        if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
+            raise ConfigError(f"backend.offload=all: FSDP2 offloads, so it needs several ranks "
+                              f"(resources.gpus_per_node > 1) and backend.sharding=fsdp2 (now {ranks} rank(s), "
+                              f"{self.sharding})")  # fmt: skip
+        shape = Shape.of(
+            model.architecture(), None if full else finetune.rank, None if full else finetune.target_modules
+        )
+        setting = Setting(
+            full=full,
+            ranks=ranks,
+            sharded=ranks > 1 and self.sharding == "fsdp2",
+            offload=self.offload,
+            gradient_checkpointing=self.gradient_checkpointing,
+            micro_batch_tokens=algo.per_rank(ranks)[0] * (algo.max_prompt_length + algo.max_response_length),
+            engine=resolve_engine(self.generation_engine, "cuda"),
+            engine_share=self.vllm_gpu_memory_utilization,
+            engine_sleeps=self.vllm_sleep,
+        )
+        plan = plan_memory(shape, setting, capacity_gb)
+        plan["text"] = explain(plan, setting)
+        if not plan["fits"] and self.memory_check:
+            raise ConfigError(f"{plan['text']}\n(backend.memory_check=false runs it anyway)")
+        return plan
 
     def resolved_device(self) -> str:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
@@ -140,6 +171,9 @@ class TRLBackend:
             "val_tasks": len(val_tasks),
             "test_tasks": len(test_tasks),
         }
+
+        # what each GPU has in use from here on, per phase (start: loading, the first validation; rollout; update)
+        memory = DeviceMemory(device).start() if device.startswith("cuda") else None
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples. Called on every
@@ -226,6 +260,8 @@ class TRLBackend:
             if algo.sft_demos == "rl" and warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
             results["sft_control_demos"] = {"tasks": algo.sft_demos, "demonstrations": len(demos)}
+            if memory is not None:
+                memory.stop()
             return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length, compute)
 
         server = self._server(model, tokenizer, setup)
@@ -237,6 +273,8 @@ class TRLBackend:
             algo.max_response_length,
             algo.reward_timeout_s,
             self.weights(device, compute_dtype),
+            offload=OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None,
+            memory=memory,
         )
         trainer = AgentGRPOTrainer(
             model=model,
@@ -277,8 +315,11 @@ class TRLBackend:
             results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
         # every rank ran its share of the rollouts; the most GPU memory each had allocated (collectives)
         results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
-        if device.startswith("cuda"):
-            results["peak_gpu_memory_gb_per_rank"] = _per_rank(round(torch.cuda.max_memory_allocated() / 1e9, 2))
+        if memory is not None:  # what each GPU had in use (every process on it), not torch's counter
+            memory.stop()
+            measured = _per_rank(memory.summary())
+            results["peak_gpu_memory_gb_per_rank"] = [m["peak_gb"] for m in measured]
+            results["gpu_memory_per_rank"] = measured
         save_final(trainer, run.checkpoints / "final", compute_dtype)
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
@@ -437,7 +478,7 @@ class TRLBackend:
             log_completions=False,
         )
         if started_by_launcher() and self.sharding == "fsdp2":  # a rank of a run of several processes
-            settings |= fsdp_arguments(self.gradient_checkpointing)
+            settings |= fsdp_arguments(self.gradient_checkpointing, offload_all=self.offload == "all")
         return GRPOConfig(**settings)
 
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
+from backends.memory import DeviceMemory
+from backends.trl.fsdp import OptimizerOffload
 from inference.policy_server import CallRecord, PolicyServer
 from inference.weights import GenerationWeights
 
@@ -114,6 +116,8 @@ class AgentRollouts:
         max_completion_tokens: int,
         reward_timeout_s: float | None = None,
         weights: GenerationWeights | None = None,
+        offload: OptimizerOffload | None = None,
+        memory: DeviceMemory | None = None,
     ) -> None:
         self.agent = agent
         self.reward = reward
@@ -122,6 +126,8 @@ class AgentRollouts:
         self.max_completion_tokens = max_completion_tokens
         self.reward_timeout_s = reward_timeout_s
         self.weights = weights  # a sharded model's full copy for generation (None: the model itself)
+        self.offload = offload  # the optimizer's state goes to CPU while the engine generates
+        self.memory = memory  # the GPU's memory in use, per phase (rollout: engine awake; update: the rest)
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
         self.last_samples: list[Sample] = []
@@ -131,6 +137,10 @@ class AgentRollouts:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         start = time.perf_counter()  # a sharded model's weights are gathered on every rank, then loaded
         model = trainer.accelerator.unwrap_model(trainer.model)
+        if self.offload is not None:
+            self.offload.to_cpu(trainer.optimizer)
+        if self.memory is not None:
+            self.memory.phase = "rollout"
         self.server.load(model if self.weights is None else self.weights.for_generation(model))
         weight_sync_s = time.perf_counter() - start
         start = time.perf_counter()
@@ -140,7 +150,13 @@ class AgentRollouts:
                 self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
             )
         finally:
+            awake_gb = self.memory.sample() if self.memory is not None else 0.0
             self.server.engine.sleep()  # the update gets the memory an engine with its own weights holds
+            if self.memory is not None:
+                self.memory.engine_slept(awake_gb)
+                self.memory.phase = "update"
+            if self.offload is not None:
+                self.offload.to_gpu(trainer.optimizer)
         pad_id = self.server.tokenizer.pad_token_id
         samples = [self._sample(r, calls, pad_id) for r, calls in zip(rollouts, records, strict=True)]
         n = len(rollouts)
