@@ -40,10 +40,10 @@ _SAMPLING_KEYS = ("temperature", "top_p", "max_tokens")
 class MedSQLAgent:
     task_kind: ClassVar[str] = "med_qa"
 
+    instructions: str  # the agent's system instructions (conf/agent/med_sql.yaml)
+    tool_description: str  # what the model is told the SQL tool does
     name: str = "med_sql"
     max_turns: int = number(4, ge=1)  # model calls per rollout (the SDK's); the one turn limit every backend reads
-    instructions: str = ""
-    tool_description: str = ""
     sql_timeout_s: float = number(2.0, gt=0)  # one query's time limit
     result_max_rows: int = number(20, gt=0)  # rows of a result the model is shown
     result_max_chars: int = number(1500, gt=0)  # characters of a result the model is shown

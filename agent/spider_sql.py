@@ -75,7 +75,7 @@ class SpiderSQLAgent:
     no_query_text: str
     schema_style: str = one_of("sql", SCHEMA_STYLES)
     schema_max_chars: int = number(2000, gt=0)  # characters of the schema in the first prompt
-    result_max_chars: int = number(1000, gt=0)  # characters of a result the model is shown
+    result_max_chars: int = number(600, gt=0)  # characters of a result the model is shown
     result_max_rows: int = number(20, gt=0)  # rows of a result the model is shown
     sql_timeout_s: float = number(2.0, gt=0)  # one query's time limit
     dialect: str = "SQLite"  # only named in the prompts: queries run on SQLite

@@ -19,22 +19,22 @@ class GRPO:
     """Group-relative policy optimisation. One step = `tasks_per_step` tasks x `group_size` rollouts each."""
 
     name: str = "grpo"
-    group_size: int = number(8, ge=2)  # group-relative advantages need two rollouts at least
-    tasks_per_step: int = number(4, gt=0)
-    micro_batch_size: int = number(8, gt=0)
+    group_size: int = number(4, ge=2)  # group-relative advantages need two rollouts at least
+    tasks_per_step: int = number(8, gt=0)
+    micro_batch_size: int = number(4, gt=0)
     learning_rate: float = number(1e-6, gt=0)
     lr_warmup_steps: int = number(0, ge=0)  # optimizer steps over which the learning rate rises from 0 to its value
     kl_coef: float = number(0.0, ge=0)
     clip_ratio: float = number(0.2, gt=0)
-    clip_ratio_high: float | None = number(None, gt=0)
+    clip_ratio_high: float | None = number(0.3, gt=0)  # None: = clip_ratio
     temperature: float = number(1.0, gt=0)
-    max_prompt_length: int = number(2048, gt=0)
-    max_response_length: int = number(1024, gt=0)
+    max_prompt_length: int = number(4096, gt=0)
+    max_response_length: int = number(2048, gt=0)
     max_tokens_per_turn: int | None = number(None, gt=0)
-    epochs: float = number(1.0, gt=0)
+    epochs: float = number(2.0, gt=0)
     max_steps: int = number(-1, ge=-1)  # -1: as many as `epochs` make
-    save_every: int = number(50, gt=0)
-    val_every: int = number(50, gt=0)
+    save_every: int = number(64, gt=0)
+    val_every: int = number(16, gt=0)
     max_grad_norm: float = number(1.0, gt=0)
     loss_type: str = one_of("dapo", LOSS_TYPES)
     is_correction: str = one_of("token_truncate", IS_CORRECTIONS)
@@ -111,6 +111,7 @@ class SFTControl(GRPO):
     # whose demonstrations: rl, the tasks GRPO trains on (gold GRPO never sees: with warmstart.task_share < 1, a
     # ceiling); warmstart, the warm start's own (SFT continued on what it had: no data GRPO's pool lacks)
     sft_demos: str = one_of("rl", ("rl", "warmstart"))
+    max_steps: int = number(1000, ge=-1)  # SFT steps, unless time_budget_s or flops_budget ends it first
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -226,12 +226,12 @@ class DBBenchData:
 
     name: str
     data_dir: str
+    generate: dict[str, int] | None  # data/dbbench.py's generate() arguments; None: a real entry_file in data_dir
     entry_file: str = ENTRY_FILE
     val_size: int = number(50, gt=0)  # entries held out for validation
     test_size: int = number(50, ge=0)  # entries held out for the test (0: no test split)
     split_seed: int = number(0, ge=0)  # the seed of every split of the tasks (validation, test, phases)
     val_limit: int | None = number(None, gt=0)  # validate on the first N of them (None: all)
-    generate: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.generate is None and not (Path(self.data_dir) / self.entry_file).is_file():

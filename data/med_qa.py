@@ -344,12 +344,12 @@ class MedQAData:
 
     name: str
     data_dir: str
+    generate: dict[str, int] | None  # data/med_qa.py's generate() arguments; None: the parquet files are in data_dir
     train_split: str = "train"
     val_split: str = "val"
     test_split: str | None = "test"  # None: no test split
     split_seed: int = number(0, ge=0)  # the seed of every split of the training tasks (between phases)
     val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
-    generate: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.generate is None and not Path(self.data_dir).is_dir():

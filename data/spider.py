@@ -85,16 +85,18 @@ class SpiderData:
 
     task_kind: ClassVar[str] = "text_to_sql"
 
+    # The keys conf/data/spider.yaml (the real Spider) and spider_mini.yaml (generated) set differently have no
+    # default: each option decides them.
     name: str
     spider_dir: str | None
+    val_split: str | None  # None: validation is carved from train (`val_from_train`)
+    test_split: str | None  # None: no test split
+    val_from_train: float | None = number(gt=0, lt=1)  # share of train carved out for validation
+    val_limit: int | None = number(gt=0)  # validate on the first N tasks (None: all)
+    generate: dict[str, int] | None  # data/spider_mini.py's generate() arguments; None: real data in spider_dir
+    val_subset_field: str | None  # a field of the validation records: accuracy is also reported per value
     train_split: str = "train"
-    val_split: str | None = "dev"  # None: validation is carved from train (`val_from_train`)
-    test_split: str | None = None  # None: no test split
-    val_from_train: float | None = number(None, gt=0, lt=1)  # share of train carved out for validation
     split_seed: int = number(0, ge=0)  # the seed of every split of the tasks (validation from train, phases)
-    val_limit: int | None = number(None, gt=0)  # validate on the first N tasks (None: all)
-    generate: dict[str, int] | None = None
-    val_subset_field: str | None = None  # a field of the validation records: accuracy is also reported per value
 
     def __post_init__(self) -> None:
         if (self.val_split is None) == (self.val_from_train is None):

@@ -24,6 +24,10 @@ from foundation.schema import number
 class DPOJob(PreferenceJob):
     """conf/job/dpo.yaml's keys."""
 
+    steps: int = number(100, gt=0)  # optimizer steps
+    batch_size: int = number(8, gt=0)  # pairs per step
+    learning_rate: float = number(5e-4, gt=0)  # the tiny model's; about 5e-7 for a pretrained one
+    eval_pairs: int = number(64, gt=0)  # held-in pairs whose margin is reported before and after training
     beta: float = number(0.1, gt=0)  # DPO's inverse temperature: how far the policy may move from the reference
 
 

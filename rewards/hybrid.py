@@ -6,7 +6,7 @@ Missing when any term is missing (a judge that could not be reached), so a parti
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hydra.utils import instantiate
@@ -17,7 +17,7 @@ from agent.trajectory import Trajectory
 @dataclass
 class Hybrid:
     terms: dict[str, Any]
-    weights: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float]  # per term (a term not named: 1.0)
     name: str = "hybrid"
 
     def __post_init__(self) -> None:

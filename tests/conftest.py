@@ -76,6 +76,7 @@ def micro_tiny(cache_dir: Path, **fields: Any) -> TinyModel:
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_hidden_layers": 2,
+        "dtype": "auto",
     }
     return TinyModel(name="tiny", hub_id=None, path=None, cache_dir=str(cache_dir), **(settings | fields))
 

@@ -114,7 +114,9 @@ def test_hybrid_is_rule_plus_judge_and_missing_when_the_judge_is() -> None:
         hybrid: Hybrid = instantiate(cfg.reward)
         ran = Trajectory(final_sql="SELECT 1", last_execution_ok=True, answer="Ibuprofen.")
         assert hybrid(TASK, ran) == pytest.approx(0.6)
-    down = Hybrid(terms={"rule": ExecutedSQL(), "judge": judge(f"http://127.0.0.1:{closed_port()}/v1", retries=0)})
+    down = Hybrid(
+        terms={"rule": ExecutedSQL(), "judge": judge(f"http://127.0.0.1:{closed_port()}/v1", retries=0)}, weights={}
+    )
     assert down(TASK, ran) is None
 
 

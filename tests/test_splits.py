@@ -27,7 +27,16 @@ def mini(tmp_path_factory: pytest.TempPathFactory) -> SpiderData:
     """spider_mini at the size experiments use (train capped at ~1,055 by the pools; its file order is biased)."""
     root = tmp_path_factory.mktemp("splits") / "spider_mini"
     spider_mini.generate(root, seed=0, n_train=2000, n_dev=200, n_test=200)
-    return SpiderData(name="spider_mini", spider_dir=str(root), test_split="test", val_subset_field="held_out")
+    return SpiderData(
+        name="spider_mini",
+        spider_dir=str(root),
+        val_split="dev",
+        test_split="test",
+        val_from_train=None,
+        val_limit=None,
+        generate=None,
+        val_subset_field="held_out",
+    )
 
 
 def test_the_skeleton_of_a_query_drops_its_literals() -> None:
@@ -97,18 +106,36 @@ def test_real_spider_carves_validation_from_train_and_tests_on_dev(tmp_path: Pat
     root = tmp_path / "spider"
     spider_mini.generate(root, seed=0, n_train=300, n_dev=20, n_test=0)  # Spider's layout: train + dev, no test
     (root / "test.json").unlink()
-    data = SpiderData(name="spider", spider_dir=str(root), val_split=None, val_from_train=0.1, test_split="dev")
+    data = SpiderData(
+        name="spider",
+        spider_dir=str(root),
+        val_split=None,
+        val_from_train=0.1,
+        test_split="dev",
+        val_limit=None,
+        generate=None,
+        val_subset_field=None,
+    )
     train, val, test = data.train_tasks(), data.val_tasks(), data.test_tasks()
     everything = json.loads((root / "train_spider.json").read_text())
     assert len(train) + len(val) == len(everything) and abs(len(val) - 0.1 * len(everything)) <= 1
     assert {t["id"] for t in train}.isdisjoint(t["id"] for t in val)
     assert [t["question"] for t in test] == [r["question"] for r in json.loads((root / "dev.json").read_text())]
     with pytest.raises(Exception, match=r"val_split and data\.val_from_train"):
-        SpiderData(name="spider", spider_dir=str(root), val_split="dev", val_from_train=0.1)
+        SpiderData(
+            name="spider",
+            spider_dir=str(root),
+            val_split="dev",
+            val_from_train=0.1,
+            test_split=None,
+            val_limit=None,
+            generate=None,
+            val_subset_field=None,
+        )
 
 
 def test_med_qa_and_dbbench_split_in_their_kinds_proportions(tmp_path: Path) -> None:
-    med = MedQAData(name="med_qa", data_dir=str(med_qa.generate(tmp_path / "med")))
+    med = MedQAData(name="med_qa", data_dir=str(med_qa.generate(tmp_path / "med")), generate=None)
     train, val, test = med.train_tasks(), med.val_tasks(), med.test_tasks()
     assert (len(train), len(val), len(test)) == (320, 60, 60)
     questions = [{t["question"] for t in split} for split in (train, val, test)]
@@ -117,7 +144,7 @@ def test_med_qa_and_dbbench_split_in_their_kinds_proportions(tmp_path: Path) -> 
     assert all(KIND in t for t in train + val + test)
 
     generated = str(dbbench.generate(tmp_path / "db", n=140))
-    bench = DBBenchData(name="dbbench", data_dir=generated, val_size=21, test_size=21)
+    bench = DBBenchData(name="dbbench", data_dir=generated, generate=None, val_size=21, test_size=21)
     train, val, test = bench.train_tasks(), bench.val_tasks(), bench.test_tasks()
     assert (len(train), len(val), len(test)) == (98, 21, 21)
     assert {t["id"] for t in val}.isdisjoint(t["id"] for t in test)

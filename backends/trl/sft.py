@@ -56,8 +56,8 @@ def demonstration_texts(demo: Demonstration) -> list[str]:
 @dataclass
 class SFTWarmstart:
     name: str = "sft"
-    steps: int = number(600, gt=0)
-    learning_rate: float = number(2e-3, gt=0)
+    steps: int = number(200, gt=0)  # optimizer steps (cosine schedule)
+    learning_rate: float = number(3e-3, gt=0)  # peak, after the warmup
     batch_size: int = number(32, gt=0)
     warmup_ratio: float = number(0.05, ge=0, le=1)  # of the steps, warming the learning rate up
     rewrite_demo_fraction: float = number(0.2, ge=0, le=1)  # demonstrations with a wrong first query and its fix

@@ -26,10 +26,11 @@ class AglWiring:
     every call through agent-lightning's LLM proxy becomes a triplet (LlmProxyTraceToTriplet).
     """
 
+    # per agent option: regex of the agent steps whose LLM calls are trained (None: every call); conf/agl/wiring.yaml
+    agent_match: dict[str, str | None]
     agent: str = "spider_sql"  # the agent option (conf/agent/<name>.yaml); set from Hydra's choice
-    n_runners: int = number(4, gt=0)  # agent runners (processes) executing rollouts
+    n_runners: int = number(8, gt=0)  # agent runners (processes) executing rollouts
     tracing: str = one_of("agentops", TRACING_MODES)
-    agent_match: dict[str, str | None] = field(default_factory=dict)
     store_address: str | None = None  # an external `agl store` (http://host:port); null: one in this process
 
     def __post_init__(self) -> None:
@@ -74,6 +75,7 @@ class DevSettings(AglWiring):
     (`conf/endpoint`), traced into triplets and written to `<run>/dev/`; no weights change."""
 
     name: str = "dev"
+    n_runners: int = number(2, gt=0)  # agent runners (processes) executing rollouts
     base_url: str = "http://127.0.0.1:8000/v1"  # ${endpoint.base_url}
     model: str | None = None  # ${endpoint.model}
     api_key_env: str = "OPENAI_API_KEY"  # ${endpoint.api_key_env}
