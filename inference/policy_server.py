@@ -348,6 +348,9 @@ class PolicyServer:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        # a request whose caller is gone (cancelled: a stop signal ends the rollouts) is not generated for; without
+        # this, every cancelled batch's end started the next, and a stopped run generated its whole queue first
+        self._pending = [item for item in self._pending if not item.future.done()]
         if self._busy or not self._pending:
             return
         batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
@@ -358,7 +361,8 @@ class PolicyServer:
         try:
             results = await asyncio.to_thread(self._generate, batch)
             for item, result in zip(batch, results, strict=True):
-                item.future.set_result(result)
+                if not item.future.done():  # its caller may have been cancelled meanwhile
+                    item.future.set_result(result)
         except Exception as exc:
             for item in batch:
                 if not item.future.done():

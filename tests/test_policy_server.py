@@ -260,3 +260,29 @@ def test_a_later_call_with_other_tools_is_a_fresh_rendering_and_the_rollout_inex
     assert other[1].prompt_ids == server.chat_format.prompt_ids(messages, [tool("table")])
     assert '"name": "table"' in server.tokenizer.decode(other[1].prompt_ids)
     assert '"name": "people"' not in server.tokenizer.decode(other[1].prompt_ids)
+
+
+def test_requests_whose_callers_were_cancelled_are_never_generated_for(tiny) -> None:
+    """A stop signal cancels the rollouts while their requests wait (here 4, in batches of 2): the batch already
+    generating finishes, and no further batch starts for requests nobody waits for any more."""
+    server = server_for(tiny, batch_wait_s=3600.0, max_batch_size=2)
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 4}) for i in range(4)]
+
+    async def run_all() -> None:
+        calls = [asyncio.create_task(chat.chat([{"role": "user", "content": "Hi"}])) for chat in chats]
+        for _ in range(100_000):  # a bound on event-loop turns, not on time
+            if len(server._pending) == len(calls):
+                break
+            await asyncio.sleep(0)
+        server._start_batch()  # the first 2 generate; 2 wait
+        batch = server._batch_task
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.gather(batch, return_exceptions=True)  # its end would start the next batch
+        for _ in range(1000):
+            await asyncio.sleep(0)
+        server._start_batch()  # what a wait running out would do
+
+    asyncio.run(run_all())
+    assert server.generate_calls == 1 and server._pending == []
