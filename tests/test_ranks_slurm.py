@@ -3,6 +3,7 @@ ranks with srun, one a node (tests/slurm/local_cluster.sh with SLURM_LOCAL_NODES
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,3 +67,48 @@ def test_two_ranks_on_two_nodes_start_with_srun_and_train_one_run(
     # the job ran once, on one node (submitit's step), and its ranks as one step of 2 tasks over both nodes
     wait_for(lambda: (job["job_id"] + ".1", 2, 2) in steps_of(job["job_id"]), 60, "the ranks' step in sacct")
     assert (job["job_id"] + ".0", 1, 1) in steps_of(job["job_id"])
+
+
+@pytest.mark.integration
+def test_scancel_of_a_two_rank_job_leaves_no_process_of_the_run(
+    two_nodes: None, spider_mini_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """`scancel` while both ranks train: SLURM ends the job's steps (the run's process and the ranks' srun step);
+    nothing that carries the run's mark (ARL_RANK_OF, every rank and what it started) is left on the nodes."""
+    import psutil
+
+    from foundation.ranks import RANK_OF
+    from tests.test_dispatch_slurm import wait_for as wait_for_sweep
+
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "sweep.log"
+    cpu_job = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1"]
+    cpu_job += ["hydra.launcher.mem_gb=4", "hydra.launcher.timeout_min=30"]
+    ranks = ["resources.nodes=2", "resources.gpus_per_node=1", "algorithm.max_steps=50"]
+    sweep = start_sweep(
+        ["-m", *FAST_RUN, *ranks, *cpu_job, f"hydra.sweep.dir={sweep_dir}"], env_for(cache_dir, tmp_path), log
+    )
+    run = sweep_dir / "0"
+
+    def run_processes() -> list[int]:
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if proc.environ().get(RANK_OF) == str(run):
+                    found.append(proc.pid)
+        return found
+
+    try:
+        wait_for_sweep(
+            "the ranks' first GRPO step", lambda: (run / "metrics.jsonl").is_file() and len(steps(run)) >= 2, sweep, log
+        )
+        assert len(run_processes()) >= 2  # the two ranks
+        (job,) = submitted_jobs(sweep_dir).values()
+        subprocess.run(["scancel", job["job_id"]], check=True, timeout=60)
+        sweep.wait(timeout=300)
+        wait_for_sweep("the run's processes to end", lambda: not run_processes(), timeout=60)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+        for job in submitted_jobs(sweep_dir).values():
+            subprocess.run(["scancel", job["job_id"]], capture_output=True)
+    assert run_processes() == []
