@@ -113,3 +113,54 @@ def test_device_memory_keeps_each_phase_s_peak_and_what_the_engine_freed() -> No
     assert memory.summary()["phase_peak_gb"] == {"start": 10.0, "rollout": 52.0, "update": 70.0}
     assert memory.summary()["peak_gb"] == 70.0 and memory.summary()["engine_gb"] == 39.0
     assert memory.peaks["rollout"] == 52.0  # the sample taken as the engine slept counts for the rollout phase
+
+
+# The hub models of the GPU presets, as their config.json has them (no download here)
+HUB_SHAPES = {
+    "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,
+    "Qwen/Qwen2.5-Coder-1.5B-Instruct": Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen2.5-Coder-3B-Instruct": Qwen2Config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "grpo-qwen2.5-7b-1n1g-lora",
+        "grpo-qwen2.5-coder-1.5b-1n1g-lora",
+        "grpo-qwen2.5-coder-3b-1n1g-lora",
+        "grpo-qwen2.5-7b-1n2g-full",
+    ],
+)
+def test_every_gpu_preset_s_plan_fits_an_80gb_card(
+    preset: str, spider_mini_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The presets are sized for H100s (80 GB): their own plan, with vLLM as the engine, must not refuse them."""
+    import backends.trl.backend as trl_backend
+    from experiments.config import build_components
+    from experiments.ranks import processes
+    from tests.test_config import compose_with
+
+    cfg = compose_with(f"experiment={preset}", f"data.spider_dir={spider_mini_dir}")
+    parts = build_components(cfg)
+    model = parts["model"]
+    monkeypatch.setattr(model, "architecture", lambda: HUB_SHAPES[model.hub_id])
+    monkeypatch.setattr(trl_backend, "resolve_engine", lambda name, device: "vllm")
+    plan = parts["backend"].memory_plan(model, parts["finetune"], parts["algorithm"], processes(cfg), H100_GB)
+    assert plan["fits"], plan["text"]
