@@ -91,18 +91,21 @@ class Setting:
     engine: str  # vllm, static or hf
     engine_share: float  # backend.vllm_gpu_memory_utilization
     engine_sleeps: bool  # backend.vllm_sleep
+    weight_bytes: int = 2  # bytes a weight in the model's dtype on GPUs (model.dtype: 2 for bf16 and auto, 4 for fp32)
 
 
 def plan_memory(shape: Shape, setting: Setting, capacity_gb: float) -> dict[str, Any]:
     """Each phase's estimated peak per GPU (GB), what it is made of, and whether it fits `capacity_gb`."""
     n = setting.ranks if setting.sharded else 1
-    p = shape.parameters
+    p, b = shape.parameters, setting.weight_bytes
     if setting.full:
-        # FSDP2 keeps fp32 master weights and AdamW's two fp32 moments, sharded; one process trains in bf16
-        weights, grads, optimizer = (4 * p / n, 4 * p / n, 8 * p / n) if setting.sharded else (2 * p, 2 * p, 4 * p)
-    else:  # frozen bf16 base weights (sharded under FSDP2), trainable adapters as the base's dtype
+        # FSDP2 keeps fp32 master weights and AdamW's two fp32 moments, sharded; one process trains the model's own
+        # dtype (weights, gradients, two moments); DDP adds its gradient buckets
+        weights, grads, optimizer = (4 * p / n, 4 * p / n, 8 * p / n) if setting.sharded else (b * p, b * p, 2 * b * p)
+        grads += b * p if setting.ranks > 1 and not setting.sharded else 0
+    else:  # the frozen base in the model's dtype (sharded under FSDP2); PEFT keeps the adapters in fp32
         a = shape.adapter_parameters
-        weights, grads, optimizer = 2 * p / n + (4 if setting.sharded else 2) * a, 4 * a, 8 * a
+        weights, grads, optimizer = b * p / n + 4 * a, 4 * a, 8 * a
     layer = (p - shape.embedding_parameters) / shape.layers
     gathered = (2 * layer * (2 + 4) + 6 * shape.vocab * shape.hidden) if setting.sharded else 0.0
     tokens = setting.micro_batch_tokens
@@ -114,7 +117,7 @@ def plan_memory(shape: Shape, setting: Setting, capacity_gb: float) -> dict[str,
     )
     logits = LOGIT_BYTES * tokens * shape.vocab
     awake = setting.engine_share * capacity_gb * GB if setting.engine == "vllm" else 0.0
-    copy = 2 * p if setting.engine != "vllm" and setting.sharded else 0.0  # inference/weights.py's gathered copy
+    copy = b * p if setting.engine != "vllm" and setting.sharded else 0.0  # inference/weights.py's gathered copy
     asleep = (SLEEPING_ENGINE_GB * GB if setting.engine_sleeps else awake) if setting.engine == "vllm" else copy
     on_gpu = 0.0 if setting.offload == "all" else 1.0  # all: the trainer's state lives in CPU memory
     rollout = {

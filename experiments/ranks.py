@@ -30,7 +30,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +107,11 @@ def run_ranks(
     """Run the ranks' starter (torchrun, or srun) to its end and return its exit status. On a stop signal, stop the
     ranks (see the module's docstring) and raise it again. Either way, return only when no process of the run is
     left: every descendant of this process whose environment names this run (`RANK_OF=run_id`) is ended."""
+    # torchrun kills its ranks this long after it forwarded a stop signal (its default: 30 s)
+    env = env | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(grace_s))}
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # a rank or engine left by its parent becomes our child, not init's
-    starter = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_stop_with_parent)
+    parent = os.getpid()
+    starter = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=lambda: _stop_with(parent))
     try:
         return starter.wait()
     except (Interrupted, KeyboardInterrupt) as stop:
@@ -115,7 +120,12 @@ def run_ranks(
         stop_starter(starter, signum, under_srun=under_srun, grace_s=grace_s)
         raise
     finally:
-        end_run_processes(run_id, wait_s=min(grace_s, 10.0))
+        with _signals_ignored():  # a further Ctrl-C must not cut the clean-up short
+            if starter.poll() is None:
+                starter.kill()
+                starter.wait()
+            end_run_processes(run_id, wait_s=min(grace_s, 10.0))
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, grace_s: float) -> None:
@@ -128,54 +138,79 @@ def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, gr
         return
     except (subprocess.TimeoutExpired, Interrupted, KeyboardInterrupt):
         pass
-    if under_srun and starter.poll() is None:
-        starter.send_signal(signal.SIGINT)
-        time.sleep(0.2)
-        starter.send_signal(signal.SIGINT)
-        try:
-            starter.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    starter.kill()
-    starter.wait()
+    with _signals_ignored():
+        if under_srun and starter.poll() is None:
+            starter.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+            starter.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                starter.wait(timeout=grace_s)
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
 
 
-def end_run_processes(run_id: str, wait_s: float = 10.0) -> list[int]:
-    """End every descendant of this process that belongs to the run (its environment has `RANK_OF=run_id`):
-    SIGTERM, then SIGKILL after `wait_s`; wait for each (the orphans we adopted are reaped here). Their pids."""
-    procs = [p for p in psutil.Process().children(recursive=True) if _belongs(p, run_id)]
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=wait_s)
-    for proc in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(alive, timeout=wait_s)
-    if procs:
-        print(f"ended {len(procs)} process(es) of the run left behind: {[p.pid for p in procs]}", file=sys.stderr)
-    return [p.pid for p in procs]
+def end_run_processes(run_id: str, wait_s: float = 10.0, rounds: int = 5) -> list[int]:
+    """End every living descendant of this process that belongs to the run (its environment has `RANK_OF=run_id`):
+    SIGTERM, then SIGKILL after `wait_s`; wait for each. Again while new ones appear (one forked meanwhile), at most
+    `rounds` times. The pids ended."""
+    ended: list[int] = []
+    for _ in range(rounds):
+        procs = [p for p in psutil.Process().children(recursive=True) if _belongs(p, run_id)]
+        if not procs:
+            break
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=wait_s)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=wait_s)
+        ended += [p.pid for p in procs]
+    if ended:
+        print(f"ended {len(ended)} process(es) of the run left behind: {ended}", file=sys.stderr)
+    return ended
 
 
 def _belongs(proc: psutil.Process, run_id: str) -> bool:
+    """A living process of the run. A zombie has freed what it held (GPU memory too), and whose it was cannot be
+    read any more: it is left to its parent (or, adopted, to this process's exit)."""
     try:
         return proc.environ().get(RANK_OF) == run_id
-    except psutil.ZombieProcess:
-        return True  # dead, waiting to be reaped (an adopted orphan): reaping it is all that is left
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored while the block runs (main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _prctl(option: int, value: int) -> None:
     """Linux's prctl(2); elsewhere nothing (no subreaper: a rank whose parent died is then not found)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    if _LIBC is not None:
+        _LIBC.prctl(option, value, 0, 0, 0)
 
 
-def _stop_with_parent() -> None:
-    """In the starter, before it runs: SIGTERM to it when this process dies (even by SIGKILL), so it stops the ranks."""
+def _stop_with(parent: int) -> None:
+    """In the starter, before it runs: SIGTERM to it when this process dies (even by SIGKILL), so it stops the ranks;
+    if it died already, the starter does not start."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def srun_command(

@@ -130,18 +130,23 @@ def slurm_states(job_ids: list[str]) -> dict[str, str]:
 def jobs_that_cannot_start(job_ids: list[str], within_s: float = START_CHECK_S, poll_s: float = 2.0) -> dict[str, str]:
     """The jobs among `job_ids` that pend for a reason of NEVER_STARTS, with that reason. Each job is watched until
     it starts, pends for a reason that can pass (Resources, Priority, ...) or for one that cannot; `within_s` at most
-    (SLURM's scheduler gives a new job its reason within a scheduling cycle, seconds)."""
+    (SLURM's scheduler gives a new job its reason within a scheduling cycle, seconds). A job that first pends behind
+    others (Priority) is not watched on: on a busy cluster its limits are only checked when its turn comes. squeue
+    failing or not answering ends the watch with what was found (the jobs are waited for as before)."""
     if not job_ids or shutil.which("squeue") is None:
         return {}
     deadline = time.monotonic() + within_s
     unsettled, stuck = set(job_ids), {}
     while unsettled:
-        listed = subprocess.run(
-            ["squeue", "-h", "-r", "-j", ",".join(sorted(unsettled)), "-o", "%i|%T|%r"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        try:
+            listed = subprocess.run(
+                ["squeue", "-h", "-r", "-j", ",".join(sorted(unsettled)), "-o", "%i|%T|%r"],
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+        except (subprocess.TimeoutExpired, OSError):
+            break
         reasons = {}
         for line in listed.stdout.splitlines():
             job_id, state, reason = (part.strip() for part in line.split("|", 2))

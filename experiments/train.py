@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -20,6 +19,8 @@ from foundation.run_dir import RunDir
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     parts = build_components(cfg)  # validated here, also before a run of several processes starts them
+    if cfg.backend.name == "trl":
+        parts["backend"].check_ranks(processes(cfg))
     plan = None if started_by_launcher() else memory_plan(cfg, parts)  # before any model loads or rank starts
     planned = {} if plan is None else {"memory_plan": plan}
     # backend=trl's ranks are started here; verl places its own workers on `resources` (Ray)
@@ -56,20 +57,14 @@ def memory_plan(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, Any] | None
 
 
 def gpu_memory_gb() -> float | None:
-    """The smallest memory (GB) of the GPUs this process sees (CUDA_VISIBLE_DEVICES), None where there are none."""
+    """The smallest memory (GB) of this machine's GPUs (all of them: nvidia-smi's order is not CUDA's), None where
+    there are none."""
     if shutil.which("nvidia-smi") is None:
         return None
-    query = ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"]
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
     listed = subprocess.run(query, capture_output=True, text=True, timeout=60)
-    sizes = {}
-    for line in listed.stdout.splitlines():
-        index, _, mib = line.partition(",")
-        if index.strip().isdigit() and mib.strip().isdigit():
-            sizes[index.strip()] = int(mib) * 2**20 / 1e9
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
-        sizes = {i: size for i, size in sizes.items() if i in {v.strip() for v in visible.split(",")}}
-    return min(sizes.values(), default=None)
+    sizes = [int(mib) * 2**20 / 1e9 for mib in listed.stdout.split() if mib.strip().isdigit()]
+    return min(sizes, default=None)
 
 
 def summarize(results: dict[str, Any], run_dir: RunDir) -> dict[str, Any]:

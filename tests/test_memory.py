@@ -164,3 +164,24 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
     monkeypatch.setattr(trl_backend, "resolve_engine", lambda name, device: "vllm")
     plan = parts["backend"].memory_plan(model, parts["finetune"], parts["algorithm"], processes(cfg), H100_GB)
     assert plan["fits"], plan["text"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "ranks", "message"),
+    [
+        (["backend.offload=all"], 1, r"backend.offload=all: FSDP2 offloads, so it needs several ranks"),
+        (["backend.offload=all", "backend.sharding=ddp"], 2, r"backend.offload=all: .*\(now 2 rank\(s\), ddp\)"),
+        (["backend.offload=optimizer", "backend.device=cpu"], 1, r"backend.offload=optimizer: on cpu the trainer's"),
+    ],
+)
+def test_an_offload_that_cannot_apply_stops_the_run_instead_of_being_ignored(
+    overrides: list[str], ranks: int, message: str
+) -> None:
+    from experiments.config import build_components
+    from foundation.errors import ConfigError
+    from tests.test_config import compose_with
+
+    backend = build_components(compose_with(*overrides))["backend"]
+    with pytest.raises(ConfigError, match=message):
+        backend.check_ranks(ranks)
+    build_components(compose_with("backend.device=cpu"))["backend"].check_ranks(2)  # no offload: nothing to check

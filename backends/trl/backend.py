@@ -110,10 +110,6 @@ class TRLBackend:
         """The memory plan of this run on GPUs of `capacity_gb` (backends/memory.py), with its words in `text`;
         raises ConfigError naming the keys to change when it does not fit (unless `memory_check=false`)."""
         full = finetune.peft_config() is None
-        if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
-            raise ConfigError(f"backend.offload=all: FSDP2 offloads, so it needs several ranks "
-                              f"(resources.gpus_per_node > 1) and backend.sharding=fsdp2 (now {ranks} rank(s), "
-                              f"{self.sharding})")  # fmt: skip
         shape = Shape.of(
             model.architecture(), None if full else finetune.rank, None if full else finetune.target_modules
         )
@@ -127,12 +123,23 @@ class TRLBackend:
             engine=resolve_engine(self.generation_engine, "cuda"),
             engine_share=self.vllm_gpu_memory_utilization,
             engine_sleeps=self.vllm_sleep,
+            weight_bytes=model.compute_dtype("cuda").itemsize,
         )
         plan = plan_memory(shape, setting, capacity_gb)
         plan["text"] = explain(plan, setting)
         if not plan["fits"] and self.memory_check:
             raise ConfigError(f"{plan['text']}\n(backend.memory_check=false runs it anyway)")
         return plan
+
+    def check_ranks(self, ranks: int) -> None:
+        """What needs a GPU or several ranks, before anything starts (offload is never silently ignored)."""
+        if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
+            raise ConfigError(f"backend.offload=all: FSDP2 offloads, so it needs several ranks "
+                              f"(resources.gpus_per_node > 1) and backend.sharding=fsdp2 (now {ranks} rank(s), "
+                              f"{self.sharding})")  # fmt: skip
+        if self.offload != "none" and not self.resolved_device().startswith("cuda"):
+            raise ConfigError(f"backend.offload={self.offload}: on {self.resolved_device()} the trainer's state is in "
+                              "CPU memory already (backend.offload=none)")  # fmt: skip
 
     def resolved_device(self) -> str:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
@@ -174,8 +181,19 @@ class TRLBackend:
 
         # what each GPU has in use from here on, per phase (start: loading, the first validation; rollout; update)
         memory = DeviceMemory(device).start() if device.startswith("cuda") else None
+        # backend.offload=optimizer: the optimizer's state leaves the GPU whenever the engine is awake (rollouts, and
+        # validations during GRPO: `grpo` holds the trainer once it exists, whose optimizer exists once it trains)
+        offload = OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None
+        grpo: list[AgentGRPOTrainer] = []
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
+            """Greedy validation with the optimizer's state out of the GPU (`backend.offload=optimizer`)."""
+            if offload is None:
+                return validate(model, name)
+            with offload.out_of_gpu(grpo[0].optimizer if grpo else None):
+                return validate(model, name)
+
+        def validate(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples. Called on every
             rank (a sharded model's weights are gathered by all); rank 0 alone validates, the other ranks go on to
             the next step and wait for it there."""
@@ -273,7 +291,7 @@ class TRLBackend:
             algo.max_response_length,
             algo.reward_timeout_s,
             self.weights(device, compute_dtype),
-            offload=OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None,
+            offload=offload,
             memory=memory,
         )
         trainer = AgentGRPOTrainer(
@@ -290,6 +308,7 @@ class TRLBackend:
             accept_reward=algo.accept_reward if isinstance(algo, RFT) else None,
         )
         step_log.phase_s = trainer.phase_s
+        grpo.append(trainer)
         step_log.nonfinite_steps = lambda: trainer.nonfinite_steps
         if resume_from is not None:  # the budgets count the training before the restart
             step_log.train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)

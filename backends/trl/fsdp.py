@@ -17,6 +17,8 @@ What this project adds around it (`inference/weights.py` gathers the full weight
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,13 +60,25 @@ class OptimizerOffload:
         self._device: dict[tuple[int, str], torch.device] = {}
         self.moved_gb = 0.0  # the state's size the last time it moved
 
+    @contextlib.contextmanager
+    def out_of_gpu(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+        """The optimizer's state in CPU memory while the block runs, back on the GPU after it, also if it raised."""
+        if optimizer is None:
+            yield
+            return
+        try:
+            self.to_cpu(optimizer)
+            yield
+        finally:
+            self.to_gpu(optimizer)
+
     def to_cpu(self, optimizer: torch.optim.Optimizer) -> None:
         moved = 0
         for param, state in optimizer.state.items():
             for key, value in state.items():
-                if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
-                    continue
                 slot = (id(param), key)
+                if not isinstance(value, torch.Tensor) or value.device.type == "cpu" or slot in self._device:
+                    continue  # on the CPU already (AdamW's step count), or moved out before
                 local = value._local_tensor if hasattr(value, "_local_tensor") else value  # a DTensor's shard
                 buffer = self._buffers.get(slot)
                 if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:

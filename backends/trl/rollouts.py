@@ -22,6 +22,7 @@ it advantage 0, and its loss mask is all zeros, so it gets no gradient at all (a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -137,26 +138,25 @@ class AgentRollouts:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         start = time.perf_counter()  # a sharded model's weights are gathered on every rank, then loaded
         model = trainer.accelerator.unwrap_model(trainer.model)
-        if self.offload is not None:
-            self.offload.to_cpu(trainer.optimizer)
         if self.memory is not None:
+            self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
-        self.server.load(model if self.weights is None else self.weights.for_generation(model))
-        weight_sync_s = time.perf_counter() - start
-        start = time.perf_counter()
-        tasks = [json.loads(p) for p in prompts]
-        try:
-            rollouts, records = run_on_server(
-                self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
-            )
-        finally:
-            awake_gb = self.memory.sample() if self.memory is not None else 0.0
-            self.server.engine.sleep()  # the update gets the memory an engine with its own weights holds
-            if self.memory is not None:
-                self.memory.engine_slept(awake_gb)
-                self.memory.phase = "update"
-            if self.offload is not None:
-                self.offload.to_gpu(trainer.optimizer)
+        offload = self.offload.out_of_gpu(trainer.optimizer) if self.offload is not None else contextlib.nullcontext()
+        with offload:
+            self.server.load(model if self.weights is None else self.weights.for_generation(model))
+            weight_sync_s = time.perf_counter() - start
+            start = time.perf_counter()
+            tasks = [json.loads(p) for p in prompts]
+            try:
+                rollouts, records = run_on_server(
+                    self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
+                )
+            finally:
+                awake_gb = self.memory.sample() if self.memory is not None else 0.0
+                self.server.engine.sleep()  # the update gets the memory an engine with its own weights holds
+                if self.memory is not None:
+                    self.memory.engine_slept(awake_gb)
+                    self.memory.phase = "update"
         pad_id = self.server.tokenizer.pad_token_id
         samples = [self._sample(r, calls, pad_id) for r, calls in zip(rollouts, records, strict=True)]
         n = len(rollouts)

@@ -99,9 +99,13 @@ class SlurmLauncher(submitit_launcher.SlurmLauncher):
         """A job that pends for a reason it cannot leave: cancelled; its run fails saying why and what to change."""
         import subprocess
 
-        message = f"job {job_id} can never start (SLURM: Reason={reason}): {NEVER_STARTS[reason]}; it was cancelled"
+        try:
+            cancelled = subprocess.run(["scancel", job_id], capture_output=True, timeout=60).returncode == 0
+        except (subprocess.TimeoutExpired, OSError):
+            cancelled = False
+        outcome = "it was cancelled" if cancelled else f"cancelling it failed: scancel {job_id}"
+        message = f"job {job_id} can never start (SLURM: Reason={reason}): {NEVER_STARTS[reason]}; {outcome}"
         log.error(f"\t#{num} : {message}")
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
         RunDir(self._run_dir(num, overrides)).write_summary(
             {"job": None, "overrides": overrides, "status": "failed", "error": message, "slurm_job_id": job_id}
         )
