@@ -16,7 +16,8 @@ which forward it to the ranks: each ends its step with a checkpoint and exits. R
 `STOP_GRACE_S` are killed (a second signal kills at once), and this process returns only when none of the run's
 processes is left: the ranks, and what they started (vLLM's engine processes). torchrun runs each rank in its own
 session, so a rank whose parent died is not in any process group of ours: this process is their subreaper (Linux),
-so it still finds them. Under srun, SLURM's step holds the ranks and their children: srun's double SIGINT ends it.
+so it still finds them. Under srun the ranks get the stop as SIGUSR1 (srun kills its tasks at once on a SIGTERM),
+and SLURM's step holds the ranks and their children: srun's double SIGINT ends it.
 """
 
 from __future__ import annotations
@@ -129,10 +130,11 @@ def run_ranks(
 
 
 def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, grace_s: float) -> None:
-    """Forward `signum` to the ranks' starter and wait up to `grace_s` for it to exit; then (or on a second signal)
+    """Forward the stop to the ranks' starter and wait up to `grace_s` for it to exit; then (or on a second signal)
     kill: srun ends its step on two SIGINTs within a second (SIGTERM, then SIGKILL to every process of the step),
-    torchrun is killed (its ranks are then ours to end, `end_run_processes`)."""
-    starter.send_signal(signum)
+    torchrun is killed (its ranks are then ours to end, `end_run_processes`). srun gets SIGUSR1, which it forwards to
+    the ranks as it is (a SIGTERM it would turn into killing them, a single SIGINT into a status line)."""
+    starter.send_signal(signal.SIGUSR1 if under_srun else signum)
     try:
         starter.wait(timeout=grace_s)
         return

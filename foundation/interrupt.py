@@ -1,4 +1,6 @@
 """Stopping a run on SIGTERM or SIGINT (Ctrl-C, `kill`, `scancel` of a local job) so that it says so and can resume.
+SIGUSR1 stops it the same way: srun turns a SIGTERM into killing its tasks at once, and forwards SIGUSR1 as it is,
+so the launcher stops ranks under srun with it (experiments/ranks.py).
 
 `stop_signals()` (around a job, in the main thread) turns either signal into `Interrupted`, a BaseException like
 KeyboardInterrupt, so the job's `summary.json` says `interrupted`. Inside `checkpoint_at_step_end()` (a training loop
@@ -44,12 +46,13 @@ def _handle(signum: int, _frame: FrameType | None) -> None:
 
 @contextmanager
 def stop_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise `Interrupted` while the block runs (main thread only; elsewhere, nothing changes)."""
+    """SIGINT, SIGTERM and SIGUSR1 raise `Interrupted` while the block runs (main thread only; elsewhere, nothing
+    changes; SIGTERM and SIGUSR1 only where nothing else handles them)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    ours = [signal.SIGINT] + ([signal.SIGTERM] if previous[signal.SIGTERM] == signal.SIG_DFL else [])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    ours = [signal.SIGINT] + [s for s in (signal.SIGTERM, signal.SIGUSR1) if previous[s] == signal.SIG_DFL]
     for s in ours:
         signal.signal(s, _handle)
     try:

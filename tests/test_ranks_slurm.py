@@ -4,6 +4,8 @@ ranks with srun, one a node (tests/slurm/local_cluster.sh with SLURM_LOCAL_NODES
 from __future__ import annotations
 
 import contextlib
+import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,11 +72,12 @@ def test_two_ranks_on_two_nodes_start_with_srun_and_train_one_run(
 
 
 @pytest.mark.integration
-def test_scancel_of_a_two_rank_job_leaves_no_process_of_the_run(
+def test_sigint_to_the_run_stops_both_srun_ranks_after_one_step_and_leaves_no_process(
     two_nodes: None, spider_mini_dir: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
-    """`scancel` while both ranks train: SLURM ends the job's steps (the run's process and the ranks' srun step);
-    nothing that carries the run's mark (ARL_RANK_OF, every rank and what it started) is left on the nodes."""
+    """SIGINT (Ctrl-C) to the job's process that started the ranks: it stops them through srun (as SIGUSR1: srun
+    would kill them on a SIGTERM, and take a single SIGINT for a status request), both end the same step with a
+    checkpoint, the run says `interrupted`, and nothing that carries the run's mark is left on the nodes."""
     import psutil
 
     from foundation.ranks import RANK_OF
@@ -84,9 +87,8 @@ def test_scancel_of_a_two_rank_job_leaves_no_process_of_the_run(
     cpu_job = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1"]
     cpu_job += ["hydra.launcher.mem_gb=4", "hydra.launcher.timeout_min=30"]
     ranks = ["resources.nodes=2", "resources.gpus_per_node=1", "algorithm.max_steps=50"]
-    sweep = start_sweep(
-        ["-m", *FAST_RUN, *ranks, *cpu_job, f"hydra.sweep.dir={sweep_dir}"], env_for(cache_dir, tmp_path), log
-    )
+    args = ["-m", *FAST_RUN, *ranks, *cpu_job, f"hydra.sweep.dir={sweep_dir}"]
+    sweep = start_sweep(args, env_for(cache_dir, tmp_path), log)
     run = sweep_dir / "0"
 
     def run_processes() -> list[int]:
@@ -98,12 +100,23 @@ def test_scancel_of_a_two_rank_job_leaves_no_process_of_the_run(
         return found
 
     try:
-        wait_for_sweep(
-            "the ranks' first GRPO step", lambda: (run / "metrics.jsonl").is_file() and len(steps(run)) >= 2, sweep, log
-        )
+        first_step = lambda: (run / "metrics.jsonl").is_file() and len(steps(run)) >= 2  # noqa: E731
+        wait_for_sweep("the ranks' first GRPO step", first_step, sweep, log)
         assert len(run_processes()) >= 2  # the two ranks
-        (job,) = submitted_jobs(sweep_dir).values()
-        subprocess.run(["scancel", job["job_id"]], check=True, timeout=60)
+        # the process that started the ranks: the job's python in its first step (the ranks' step is the second)
+        job_id = attempts(run)[-1]["slurm_job_id"]  # experiments/job.py's slurm_job_id: <array job>_<task>
+
+        def is_launcher(env: dict[str, str]) -> bool:
+            own = f"{env.get('SLURM_ARRAY_JOB_ID')}_{env.get('SLURM_ARRAY_TASK_ID')}"
+            return job_id in (own, env.get("SLURM_JOB_ID")) and env.get("SLURM_STEP_ID") == "0"
+
+        launcher = [
+            proc
+            for proc in psutil.process_iter(["name", "environ"])
+            if "python" in (proc.info["name"] or "") and is_launcher(proc.info["environ"] or {})
+        ]
+        assert len(launcher) == 1, launcher
+        launcher[0].send_signal(signal.SIGINT)
         sweep.wait(timeout=300)
         wait_for_sweep("the run's processes to end", lambda: not run_processes(), timeout=60)
     finally:
@@ -111,4 +124,11 @@ def test_scancel_of_a_two_rank_job_leaves_no_process_of_the_run(
             sweep.kill()
         for job in submitted_jobs(sweep_dir).values():
             subprocess.run(["scancel", job["job_id"]], capture_output=True)
-    assert run_processes() == []
+    assert summary(run)["status"] == "interrupted", summary(run)
+    logs = [p.read_text() for p in sorted((run / "ranks").glob("slurm-*/*/stderr.log"))]
+    stops = {m for text in logs for m in re.findall(r"SIGUSR1 during GRPO: stopped after step (\d+)", text)}
+    assert len(logs) == 2 and len(stops) == 1, (stops, [text[-1500:] for text in logs])
+    shards = sorted(
+        p.name for p in (run / "checkpoints" / f"checkpoint-{stops.pop()}" / "pytorch_model_fsdp_0").glob("*.distcp")
+    )
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
