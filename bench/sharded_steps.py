@@ -95,13 +95,13 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> li
 
 def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     run_dir = out_dir / variant.replace(":", "-")
+    one_rank = variant.partition(":")[0] == "fsdp2x1"  # a rank of its own: it writes ranks/results.json
     env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
-    if variant.partition(":")[0] == "fsdp2x1":
+    if one_rank:
         env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
     start = time.monotonic()
     finished = subprocess.run(variant_command(variant, args, run_dir), env=env, cwd=ROOT)
     wall = time.monotonic() - start
-    one_rank = variant.partition(":")[0] == "fsdp2x1"
     results_file = run_dir / ("ranks/results.json" if one_rank else "summary.json")
     if finished.returncode != 0 or not results_file.is_file():
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}

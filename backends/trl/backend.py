@@ -332,7 +332,7 @@ class TRLBackend:
         }
         if started_by_launcher():  # how the ranks held the model, read off it (not the setting)
             results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
-        # every rank ran its share of the rollouts; the most GPU memory each had allocated (collectives)
+        # every rank ran its share of the rollouts (collectives)
         results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
         if memory is not None:  # what each GPU had in use (every process on it), not torch's counter
             memory.stop()

@@ -58,7 +58,6 @@ class OptimizerOffload:
     def __init__(self) -> None:
         self._buffers: dict[tuple[int, str], torch.Tensor] = {}
         self._device: dict[tuple[int, str], torch.device] = {}
-        self.moved_gb = 0.0  # the state's size the last time it moved
 
     @contextlib.contextmanager
     def out_of_gpu(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
@@ -73,7 +72,6 @@ class OptimizerOffload:
             self.to_gpu(optimizer)
 
     def to_cpu(self, optimizer: torch.optim.Optimizer) -> None:
-        moved = 0
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 slot = (id(param), key)
@@ -85,10 +83,8 @@ class OptimizerOffload:
                     buffer = self._buffers[slot] = torch.empty_like(local, device="cpu", pin_memory=True)
                 buffer.copy_(local, non_blocking=True)
                 self._device[slot] = local.device
-                moved += local.numel() * local.element_size()
                 local.data = torch.empty(0, dtype=local.dtype, device=local.device)  # the GPU copy is freed
         torch.cuda.synchronize()
-        self.moved_gb = moved / 1e9
 
     def to_gpu(self, optimizer: torch.optim.Optimizer) -> None:
         for param, state in optimizer.state.items():
