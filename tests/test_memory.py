@@ -115,6 +115,22 @@ def test_device_memory_keeps_each_phase_s_peak_and_what_the_engine_freed() -> No
     assert memory.peaks["rollout"] == 52.0  # the sample taken as the engine slept counts for the rollout phase
 
 
+def test_each_step_logs_the_most_any_rank_s_gpu_had_in_use_per_phase() -> None:
+    """gpu_memory/* in metrics.jsonl: a run killed before its summary (an OOM, a full disk) keeps them."""
+    from backends.trl.backend import gpu_memory_metrics
+
+    ranks = [
+        {"peak_gb": 70.0, "phase_peak_gb": {"start": 10.0, "rollout": 52.0, "update": 70.0}},
+        {"peak_gb": 66.0, "phase_peak_gb": {"start": 11.0, "rollout": 66.0}},  # rank 1 has no update sample yet
+    ]
+    assert gpu_memory_metrics(ranks) == {
+        "gpu_memory/peak_gb": 70.0,
+        "gpu_memory/start_peak_gb": 11.0,
+        "gpu_memory/rollout_peak_gb": 66.0,
+        "gpu_memory/update_peak_gb": 70.0,
+    }
+
+
 # The hub models of the GPU presets, as their config.json has them (no download here)
 HUB_SHAPES = {
     "Qwen/Qwen2.5-7B-Instruct": QWEN25_7B,

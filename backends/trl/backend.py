@@ -553,6 +553,16 @@ def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype) -> Non
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(path), state_dict=state_dict)
 
 
+def gpu_memory_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Each step's `gpu_memory/*` from every rank's DeviceMemory summary: the peak so far over all ranks, overall and
+    per phase (rollout: the engine awake; update: the trainer's), in GB. A run stopped before its summary is written
+    keeps them in metrics.jsonl."""
+    metrics = {"gpu_memory/peak_gb": max(r["peak_gb"] for r in ranks)}
+    for phase in dict.fromkeys(p for r in ranks for p in r["phase_peak_gb"]):
+        metrics[f"gpu_memory/{phase}_peak_gb"] = max(r["phase_peak_gb"].get(phase, 0.0) for r in ranks)
+    return metrics
+
+
 def _any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is on some rank (a collective with several ranks)."""
     return any(_per_rank(flag))
@@ -658,6 +668,7 @@ class _StepLog(TrainerCallback):
         self.val_metrics: dict[str, float] = {}
         self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
         self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)
+        self.memory: dict[str, float] = {}  # the GPUs' memory in use so far, the most on any rank (`gpu_memory/*`)
         self.train_s = 0.0  # training seconds so far (validation not counted): train/elapsed_s
         self.nonfinite_steps: Callable[[], int] = lambda: 0  # the trainer's count of dropped steps
         self._step_start = time.perf_counter()
@@ -677,6 +688,8 @@ class _StepLog(TrainerCallback):
         trained = sum(t.get("trained", 0) for t in tokens)
         generated = sum(t.get("generated", 0) for t in tokens)
         self.compute.add(trained=trained, generated=generated, forward_only=self.forward_passes * trained)
+        if self.rollouts.memory is not None:  # every rank has one on GPUs (a collective)
+            self.memory = gpu_memory_metrics(_per_rank(self.rollouts.memory.summary()))
         step, algo = state.global_step, self.setup.algorithm
         spent = (algo.time_budget_s is not None and self.train_s >= algo.time_budget_s) or self.compute.spent(
             algo.flops_budget
@@ -711,5 +724,6 @@ class _StepLog(TrainerCallback):
         metrics["train/elapsed_s"] = self.train_s
         metrics["train/nonfinite_grad_steps"] = self.nonfinite_steps()
         metrics |= self.compute.metrics()
+        metrics |= self.memory
         self.setup.run.log(state.global_step, metrics | self.stats | self._timings() | self.val_metrics)
         self.val_metrics = {}
