@@ -7,8 +7,9 @@ built model). A variant is `plain` (one process, `resources.gpus_per_node=1`), o
 FSDP2, started as `launch.py resources.gpus_per_node=N` starts them (torchrun). `fsdp2x1` is one rank under torchrun:
 the whole sharded path (accelerate's FSDP2 on CUDA with fp32 master weights, the gathered bf16 copy that the engine
 generates from, sharded checkpoints) on a machine with one GPU, with nothing to share it with. `VARIANT:T` runs it at T
-tasks a step (4 rollouts each) instead of 16: `fsdp2x2:32` gives each of 2 GPUs the work one GPU has at 16 (weak
-scaling).
+tasks a step (4 rollouts each) instead of 16 (`--extra algorithm.tasks_per_step=T`: every variant): `fsdp2x2:32`
+gives each of 2 GPUs the work one GPU has at 16 (weak scaling). The response budget holds a whole rollout of a random
+model (6 calls of 256 tokens and the tool results between them), so every rollout is trained on, as in a real run.
 
 Memory: each row has the run's memory plan (its estimate per GPU, made before the ranks start: backends/memory.py)
 beside what each GPU had in use (sampled, every process on it), per phase, and what the engine freed when it slept.
@@ -20,11 +21,13 @@ results committed before.
     python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x2 --out ...                   # 2 GPUs
     python bench/sharded_steps.py --shape qwen25_1_5b --variants plain fsdp2x2 fsdp2x2:32 --out ...  # + weak scaling
     python bench/sharded_steps.py --shape qwen25_7b --variants fsdp2x2 --steps 3 \
-        --extra backend.offload=optimizer backend.vllm_gpu_memory_utilization=0.5 --out ...     # 7B full, 2 GPUs
+        --extra backend.offload=optimizer backend.vllm_gpu_memory_utilization=0.5 backend.gradient_checkpointing=true \
+        algorithm.micro_batch_size=1 algorithm.tasks_per_step=8 --out ...                       # 7B full, 2 GPUs
     python bench/sharded_steps.py --shape tiny --device cpu --variants plain fsdp2x2 --steps 2       # the same on CPU
 
 Timings are medians over the steps after the first (which compiles and captures the engine's graphs), validation left
-out.
+out; each step's own time is in `step_s_each`. A run that fails after some steps (its final save, say) keeps them in
+its row beside the failure, with each step's `gpu_memory/*` from metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -52,36 +55,44 @@ SHAPES: dict[str, dict[str, int]] = {
 KV_HEADS = {"tiny": 2, "qwen25_1_5b": 2, "qwen25_7b": 4}
 EMBEDDINGS = {"qwen25_7b": ["model.embedding_rows=152064", "model.tie_word_embeddings=false"]}
 
+RECIPE_TASKS, RECIPE_GROUP = 16, 4
 # The workload: 16 tasks x 4 rollouts a step, the check step (up to 6 calls a rollout), 256 tokens a call at most
 RECIPE = [
     "warmstart=none",
     "agent.check_step=true",
-    "algorithm.group_size=4",
-    "algorithm.tasks_per_step=16",
+    f"algorithm.group_size={RECIPE_GROUP}",
+    f"algorithm.tasks_per_step={RECIPE_TASKS}",
     "algorithm.micro_batch_size=8",
     "algorithm.max_prompt_length=1024",
-    "algorithm.max_response_length=1536",
+    "algorithm.max_response_length=3072",  # 6 calls x 256 + the tool results: no rollout overflows (1536: 83-100 %)
     "algorithm.max_tokens_per_turn=256",
     "algorithm.learning_rate=1e-6",
     "algorithm.val_every=1000",
     "algorithm.save_every=1000",
     "algorithm.pool_samples=null",  # model=tiny's GRPO (grpo_tiny) filters a pool first: not this workload
     "data.generate.n_dev=16",
-    "model.context_length=2560",
+    "model.context_length=4096",
     "model.dtype=auto",
 ]
 
 
-def tasks_of(variant: str) -> int:
-    """Tasks a step of `variant` (`fsdp2x2:32`: 32; else the recipe's 16)."""
-    return int(variant.partition(":")[2] or 16)
+def setting(extra: list[str], key: str, default: int) -> int:
+    """`key`'s value among the `--extra` overrides (the last one given), else `default`."""
+    values = [o.partition("=")[2] for o in extra if o.partition("=")[0].lstrip("+") == key]
+    return int(values[-1]) if values else default
+
+
+def tasks_of(variant: str, extra: list[str]) -> int:
+    """Tasks a step of `variant`: T of `VARIANT:T`, else `--extra`'s algorithm.tasks_per_step, else the recipe's."""
+    tasks = variant.partition(":")[2]
+    return int(tasks) if tasks else setting(extra, "algorithm.tasks_per_step", RECIPE_TASKS)
 
 
 def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     shape = [f"model.{k}={v}" for k, v in SHAPES[args.shape].items()]
     shape += [f"model.num_key_value_heads={KV_HEADS[args.shape]}", *EMBEDDINGS.get(args.shape, [])]
     common = [*RECIPE, *shape, f"algorithm.max_steps={args.steps}", f"backend.device={args.device}", *args.extra]
-    common.append(f"algorithm.tasks_per_step={tasks_of(variant)}")
+    common.append(f"algorithm.tasks_per_step={tasks_of(variant, args.extra)}")
     launch = [sys.executable, str(ROOT / "launch.py"), *common, f"hydra.run.dir={run_dir}"]
     kind = variant.partition(":")[0]
     if kind == "plain":
@@ -101,35 +112,48 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[s
         env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
     start = time.monotonic()
     finished = subprocess.run(variant_command(variant, args, run_dir), env=env, cwd=ROOT)
-    wall = time.monotonic() - start
+    rollouts = tasks_of(variant, args.extra) * setting(args.extra, "algorithm.group_size", RECIPE_GROUP)
+    return row(variant, run_dir, one_rank, finished.returncode, rollouts) | {"wall_s": time.monotonic() - start}
+
+
+def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: int) -> dict[str, Any]:
+    """The variant's row from its run directory: the GRPO steps it logged (metrics.jsonl), and its summary's
+    figures when it finished. A run that failed after some steps (its final save, say) keeps those steps' timings
+    and memory beside the failure."""
     results_file = run_dir / ("ranks/results.json" if one_rank else "summary.json")
-    if finished.returncode != 0 or not results_file.is_file():
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()][1:] if metrics.is_file() else []
+    steps = [m for m in steps if "timing_s/step" in m]
+    failed = returncode != 0 or not results_file.is_file()
+    out: dict[str, Any] = {"variant": variant}
+    if failed:
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-        error = str(summary.get("error"))[-2000:]
-        return {"variant": variant, "failed": f"exit {finished.returncode}: {error}", "wall_s": wall}
-    results = json.loads(results_file.read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+        out["failed"] = f"exit {returncode}: {str(summary.get('error'))[-2000:]}"
+        if not steps:
+            return out
+    results = {} if failed else json.loads(results_file.read_text())
     timed = steps[1:] or steps  # the first step compiles and captures
 
     def median(key: str) -> float:
         return statistics.median(m.get(key, 0.0) for m in timed)
 
     step_s = statistics.median(m["timing_s/step"] - m.get("timing_s/validation", 0.0) for m in timed)
-    rollouts = int(args.extra_rollouts or 0) or tasks_of(variant) * 4
     tokens = median("rollout/model_tokens_mean") * rollouts * (1 - median("rollout/excluded_rate"))
-    return {
-        "variant": variant,
+    return out | {
         "world_size": results.get("world_size"),
         "sharding": results.get("sharding", "none"),
-        "steps": results.get("steps"),
+        "steps": len(steps),
+        "rollouts_per_step": rollouts,
         "step_s": step_s,
+        "step_s_each": [round(m["timing_s/step"] - m.get("timing_s/validation", 0.0), 2) for m in steps],
         "phases_s": {k: median(f"timing_s/{k}") for k in ("weight_sync", "rollout", "scoring", "update")},
         "rollouts_per_s": rollouts / step_s,
         "model_tokens_per_s": tokens / step_s,
+        # the most any rank's GPU had in use so far, per phase, as each step logged it (gpu_memory/*)
+        "gpu_memory_by_step": [{k: v for k, v in m.items() if k.startswith("gpu_memory/")} for m in steps],
         "peak_gpu_memory_gb_per_rank": results.get("peak_gpu_memory_gb_per_rank"),
         "gpu_memory_per_rank": results.get("gpu_memory_per_rank"),
         "memory_plan": results.get("memory_plan"),
-        "wall_s": wall,
     }
 
 
@@ -142,7 +166,6 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-sharded"))
     parser.add_argument("--out", type=Path, help="results JSON")
     parser.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides, for every variant")
-    parser.add_argument("--extra-rollouts", type=int, help="rollouts a step, if --extra changes them")
     args = parser.parse_args()
     for variant in args.variants:
         kind, _, tasks = variant.partition(":")

@@ -1,0 +1,50 @@
+"""bench/sharded_steps.py's bookkeeping: which workload a variant runs, and what a row keeps of a run that failed
+after its GRPO steps (a GPU run whose final save found the disk full still has its steps' timings and memory)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from sharded_steps import RECIPE_TASKS, row, tasks_of
+
+
+def test_a_variant_s_tasks_come_from_its_suffix_else_extra_else_the_recipe() -> None:
+    assert tasks_of("fsdp2x2:32", ["algorithm.tasks_per_step=8"]) == 32
+    assert tasks_of("fsdp2x2", ["algorithm.tasks_per_step=8"]) == 8  # --extra is not overridden by the recipe's
+    assert tasks_of("plain", []) == RECIPE_TASKS
+
+
+def step(n: int, step_s: float, update_gb: float) -> dict[str, float]:
+    return {
+        "step": n,
+        "timing_s/step": step_s,
+        "timing_s/update": step_s / 2,
+        "rollout/model_tokens_mean": 100.0,
+        "rollout/excluded_rate": 0.25,
+        "gpu_memory/peak_gb": update_gb,
+        "gpu_memory/update_peak_gb": update_gb,
+    }
+
+
+def test_a_run_that_failed_after_its_steps_keeps_them_beside_the_failure(tmp_path: Path) -> None:
+    lines = [{"step": 0}, step(1, 30.0, 60.0), step(2, 20.0, 70.0), step(3, 22.0, 71.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "error": "OSError: No space left"}))
+    failed = row("fsdp2x2", tmp_path, False, 1, rollouts=64)
+    assert failed["failed"] == "exit 1: OSError: No space left"
+    assert failed["steps"] == 3 and failed["step_s_each"] == [30.0, 20.0, 22.0]
+    assert failed["step_s"] == 21.0  # the median after the first step (which compiles)
+    assert failed["rollouts_per_s"] == 64 / 21.0
+    assert failed["model_tokens_per_s"] == 100.0 * 64 * 0.75 / 21.0  # the excluded rollouts' tokens not counted
+    assert [m["gpu_memory/peak_gb"] for m in failed["gpu_memory_by_step"]] == [60.0, 70.0, 71.0]
+
+
+def test_a_run_that_failed_before_any_step_is_only_its_failure(tmp_path: Path) -> None:
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "error": "ConfigError: memory plan"}))
+    expected = {"variant": "plain", "failed": "exit 1: ConfigError: memory plan"}
+    assert row("plain", tmp_path, False, 1, rollouts=64) == expected
