@@ -44,6 +44,7 @@ class GRPO:
     flops_budget: float | None = number(None, gt=0)  # likewise after this many training FLOPs (backends/compute.py)
     test_at_end: bool = True  # the final model is scored on the data's test split too (test/*), never before
     pool_samples: int | None = number(None, ge=2)  # train on the tasks the start solves some of N times (None: all)
+    async_rollouts: bool = False  # step k+1's rollouts generate during step k's update (one step off-policy)
 
     def __post_init__(self) -> None:
         if self.batch_size % self.micro_batch_size:
@@ -101,7 +102,7 @@ class SFTControl(GRPO):
     warm start's own) goes on instead of GRPO, for the treatment's budget (`time_budget_s` training seconds or
     `flops_budget` FLOPs; else `max_steps` SFT steps), validated as GRPO is. It reads GRPO's lengths, validation and
     budget keys; its own `sft_*` keys say how it trains (an experiment's GRPO settings leave them alone); GRPO's
-    sampling and loss keys are unused.
+    sampling and loss keys, and `async_rollouts`, are unused.
     """
 
     name: str = "sft_control"

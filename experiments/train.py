@@ -20,7 +20,7 @@ from foundation.run_dir import RunDir
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     parts = build_components(cfg)  # validated here, also before a run of several processes starts them
     if cfg.backend.name == "trl":
-        parts["backend"].check_ranks(processes(cfg))
+        parts["backend"].check(processes(cfg), parts["algorithm"])
     plan = None if started_by_launcher() else memory_plan(cfg, parts)  # before any model loads or rank starts
     planned = {} if plan is None else {"memory_plan": plan}
     # backend=trl's ranks are started here; verl places its own workers on `resources` (Ray)

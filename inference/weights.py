@@ -97,16 +97,19 @@ class GenerationWeights:
     """What the policy server generates from: `for_generation(model)` is called on every rank before each rollout
     phase and each validation (a collective when `model` is sharded)."""
 
-    def __init__(self, device: str, dtype: torch.dtype, engine_gathers: bool = False) -> None:
+    def __init__(self, device: str, dtype: torch.dtype, engine_gathers: bool = False, snapshot: bool = False) -> None:
         self.device = device
         self.dtype = dtype  # the copy's: the model's as loaded (bf16 on CUDA), not FSDP2's fp32 master weights
         self.engine_gathers = engine_gathers  # the engine loads its own weights with `full_weights` (vLLM)
+        # a copy of a whole model too: the engine generates while the trainer updates it (async rollouts), so it must
+        # read the weights as they were when loaded, not the ones the optimizer is writing
+        self.snapshot = snapshot
         self._copy: PreTrainedModel | None = None
 
     def for_generation(self, model: PreTrainedModel) -> PreTrainedModel:
-        """`model` itself when it is whole or the engine gathers it itself; else the full copy, refreshed from its
-        shards."""
-        if self.engine_gathers or not is_sharded(model):
+        """`model` itself when it is whole (and no snapshot is asked for) or the engine gathers it itself; else the
+        full copy, refreshed from the model (gathered from its shards)."""
+        if self.engine_gathers or not (is_sharded(model) or self.snapshot):
             return model
         if self._copy is None:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model

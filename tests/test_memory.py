@@ -188,6 +188,11 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
         (["backend.offload=all"], 1, r"backend.offload=all: FSDP2 offloads, so it needs several ranks"),
         (["backend.offload=all", "backend.sharding=ddp"], 2, r"backend.offload=all: .*\(now 2 rank\(s\), ddp\)"),
         (["backend.offload=optimizer", "backend.device=cpu"], 1, r"backend.offload=optimizer: on cpu the trainer's"),
+        (
+            ["backend.offload=optimizer", "algorithm.async_rollouts=true"],
+            1,
+            r"algorithm.async_rollouts: the engine generates during the update.*backend.offload=optimizer",
+        ),
     ],
 )
 def test_an_offload_that_cannot_apply_stops_the_run_instead_of_being_ignored(
@@ -197,7 +202,8 @@ def test_an_offload_that_cannot_apply_stops_the_run_instead_of_being_ignored(
     from foundation.errors import ConfigError
     from tests.test_config import compose_with
 
-    backend = build_components(compose_with(*overrides))["backend"]
+    parts = build_components(compose_with(*overrides))
     with pytest.raises(ConfigError, match=message):
-        backend.check_ranks(ranks)
-    build_components(compose_with("backend.device=cpu"))["backend"].check_ranks(2)  # no offload: nothing to check
+        parts["backend"].check(ranks, parts["algorithm"])
+    plain = build_components(compose_with("backend.device=cpu"))
+    plain["backend"].check(2, plain["algorithm"])  # no offload: nothing to check

@@ -122,7 +122,7 @@ class TRLBackend:
             micro_batch_tokens=algo.per_rank(ranks)[0] * (algo.max_prompt_length + algo.max_response_length),
             engine=resolve_engine(self.generation_engine, "cuda"),
             engine_share=self.vllm_gpu_memory_utilization,
-            engine_sleeps=self.vllm_sleep,
+            engine_sleeps=self.vllm_sleep and not algo.async_rollouts,  # async: awake during the update
             weight_bytes=model.compute_dtype("cuda").itemsize,
         )
         plan = plan_memory(shape, setting, capacity_gb)
@@ -131,8 +131,12 @@ class TRLBackend:
             raise ConfigError(f"{plan['text']}\n(backend.memory_check=false runs it anyway)")
         return plan
 
-    def check_ranks(self, ranks: int) -> None:
-        """What needs a GPU or several ranks, before anything starts (offload is never silently ignored)."""
+    def check(self, ranks: int, algo: GRPO) -> None:
+        """What needs a GPU or several ranks, or rules out another setting, before anything starts (offload is never
+        silently ignored)."""
+        if algo.async_rollouts and self.offload != "none" and not isinstance(algo, SFTControl):
+            raise ConfigError(f"algorithm.async_rollouts: the engine generates during the update, so the trainer's "
+                              f"state cannot leave the GPU (backend.offload={self.offload}; set none)")  # fmt: skip
         if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
             raise ConfigError(f"backend.offload=all: FSDP2 offloads, so it needs several ranks "
                               f"(resources.gpus_per_node > 1) and backend.sharding=fsdp2 (now {ranks} rank(s), "
@@ -185,9 +189,14 @@ class TRLBackend:
         # validations during GRPO: `grpo` holds the trainer once it exists, whose optimizer exists once it trains)
         offload = OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None
         grpo: list[AgentGRPOTrainer] = []
+        # algorithm.async_rollouts: the engine generates while the trainer updates, from a copy of the weights
+        overlap = algo.async_rollouts and not isinstance(algo, SFTControl)
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
-            """Greedy validation with the optimizer's state out of the GPU (`backend.offload=optimizer`)."""
+            """Greedy validation with the optimizer's state out of the GPU (`backend.offload=optimizer`), once the
+            batch generating in the background (async rollouts) is done: validation loads the engine."""
+            if grpo:
+                grpo[0].rollout_func.settle()
             if offload is None:
                 return validate(model, name)
             with offload.out_of_gpu(grpo[0].optimizer if grpo else None):
@@ -197,7 +206,7 @@ class TRLBackend:
             """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples. Called on every
             rank (a sharded model's weights are gathered by all); rank 0 alone validates, the other ranks go on to
             the next step and wait for it there."""
-            policy = self.weights(device, compute_dtype).for_generation(model)
+            policy = self.weights(device, compute_dtype, overlap).for_generation(model)
             server = self._server(policy, tokenizer, setup)
             server.load(policy)  # every rank: an engine with its own weights gathers sharded ones while it loads
             if not is_main():
@@ -290,9 +299,10 @@ class TRLBackend:
             algo.sampling(algo.temperature),
             algo.max_response_length,
             algo.reward_timeout_s,
-            self.weights(device, compute_dtype),
+            self.weights(device, compute_dtype, overlap),
             offload=offload,
             memory=memory,
+            asynchronous=overlap,
         )
         trainer = AgentGRPOTrainer(
             model=model,
@@ -306,6 +316,7 @@ class TRLBackend:
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             accept_reward=algo.accept_reward if isinstance(algo, RFT) else None,
+            lookahead=overlap,  # the next step's prompts, for the rollouts generated during this step's update
         )
         step_log.phase_s = trainer.phase_s
         grpo.append(trainer)
@@ -317,7 +328,10 @@ class TRLBackend:
         start = time.monotonic()
         run.phase = "GRPO"
         with checkpoint_at_step_end():
-            trainer.train(resume_from_checkpoint=resume_from)
+            try:
+                trainer.train(resume_from_checkpoint=resume_from)
+            finally:  # a batch read ahead for a step that never came (a budget, a stop signal): dropped
+                discarded = rollout_func.close()
         if (signal_name := stop_requested()) is not None:
             step = trainer.state.global_step
             raise Interrupted(
@@ -326,6 +340,9 @@ class TRLBackend:
         run.phase = "saving the final model"
         results["grpo"] = {
             "steps": trainer.state.global_step,
+            "async_rollouts": overlap,
+            "prefetch_missed": rollout_func.missed,  # async: batches read ahead that no step asked for
+            "discarded_in_flight": discarded,
             "wall_s": time.monotonic() - start,
             "train_s": step_log.train_s,
             "compute": compute.summary(),
@@ -440,11 +457,12 @@ class TRLBackend:
             pool, record = filtered_pool(tasks, path, sample, exclusive=False)
         return pool, record
 
-    def weights(self, device: str, dtype: torch.dtype) -> GenerationWeights:
-        """What the engines generate from (the model, or its gathered copy in `dtype` when sharded): one a run."""
+    def weights(self, device: str, dtype: torch.dtype, snapshot: bool = False) -> GenerationWeights:
+        """What the engines generate from (the model, or its gathered copy in `dtype` when sharded or `snapshot`):
+        one a run."""
         if self._weights is None:
             gathers = resolve_engine(self.generation_engine, device) == "vllm"  # into its own weights, as it loads
-            self._weights = GenerationWeights(device, dtype, engine_gathers=gathers)
+            self._weights = GenerationWeights(device, dtype, engine_gathers=gathers, snapshot=snapshot)
         return self._weights
 
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:

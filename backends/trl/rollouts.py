@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +106,37 @@ def task_prompt(task: dict[str, Any]) -> str:
     return json.dumps(task, sort_keys=True)
 
 
+@dataclass
+class Generated:
+    """A rollout phase's result: the prompts' rollouts and each one's calls, the optimizer steps the weights that
+    sampled them had taken, its wall time, and whether it was generated ahead (during the previous update)."""
+
+    prompts: list[Any]
+    rollouts: list[Rollout]
+    records: list[list[CallRecord]]
+    weights_step: int
+    wall_s: float
+    prefetched: bool
+
+
+@dataclass
+class InFlight:
+    """A batch generating in the background thread: its result or its error once the thread ends."""
+
+    prompts: list[Any]
+    thread: threading.Thread | None = None
+    generated: Generated | None = None
+    error: BaseException | None = None
+
+    def wait(self) -> Generated:
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise RuntimeError("the rollouts generating in the background failed") from self.error
+        assert self.generated is not None
+        return self.generated
+
+
 class AgentRollouts:
     """TRL `rollout_func`: runs the agent on each prompt's task through `server` and scores it with `reward`."""
 
@@ -119,6 +151,7 @@ class AgentRollouts:
         weights: GenerationWeights | None = None,
         offload: OptimizerOffload | None = None,
         memory: DeviceMemory | None = None,
+        asynchronous: bool = False,
     ) -> None:
         self.agent = agent
         self.reward = reward
@@ -134,29 +167,129 @@ class AgentRollouts:
         self.last_samples: list[Sample] = []
         self.last_tokens: dict[str, int] = {}  # this rank's last phase: tokens sampled, and tokens it trains on
         self._counter = 0  # rollouts started on this rank over the run (they are named r0, r1, ...)
+        # algorithm.async_rollouts: the next step's batch generates in the background during this step's update
+        self.asynchronous = asynchronous
+        self._inflight: InFlight | None = None
+        self.missed = 0  # batches read ahead for prompts the step did not ask for (generated again)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        if self.asynchronous:
+            return self._asynchronous(prompts, trainer)
         start = time.perf_counter()  # a sharded model's weights are gathered on every rank, then loaded
-        model = trainer.accelerator.unwrap_model(trainer.model)
         if self.memory is not None:
             self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
         offload = self.offload.out_of_gpu(trainer.optimizer) if self.offload is not None else contextlib.nullcontext()
         with offload:
-            self.server.load(model if self.weights is None else self.weights.for_generation(model))
+            self._load(trainer)
             weight_sync_s = time.perf_counter() - start
-            start = time.perf_counter()
-            tasks = [json.loads(p) for p in prompts]
             try:
-                rollouts, records = run_on_server(
-                    self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
-                )
+                generated = self._generate(prompts, trainer.state.global_step)
             finally:
                 awake_gb = self.memory.sample() if self.memory is not None else 0.0
                 self.server.engine.sleep()  # the update gets the memory an engine with its own weights holds
                 if self.memory is not None:
                     self.memory.engine_slept(awake_gb)
                     self.memory.phase = "update"
+        return self._batch(generated, {"timing_s/rollout": generated.wall_s, "timing_s/weight_sync": weight_sync_s})
+
+    def _asynchronous(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        """This step's rollouts, generated during the previous step's update where they were read ahead (one step
+        off-policy: by the weights before that update); then the next step's start with the weights as they are
+        now, in the background, while this step scores and updates. The first step, an epoch's first, and a step
+        whose prompts were not the ones read ahead generate here, on-policy."""
+        start = time.perf_counter()
+        step = trainer.state.global_step  # optimizer steps applied to the trainer's weights so far
+        if self.memory is not None:
+            self.memory.phase = "rollout"
+        generated, weight_sync_s = self._take(prompts), 0.0
+        if generated is None:
+            weight_sync_s = self._load(trainer)
+            generated = self._generate(prompts, step)
+        upcoming = trainer.upcoming_prompts() if step + 1 < trainer.state.max_steps else None
+        if upcoming is not None:
+            if generated.prefetched:  # else the weights were just loaded, for this step's own rollouts
+                weight_sync_s = self._load(trainer)
+            self._start(upcoming, step)
+        else:
+            self.server.engine.sleep()  # nothing to generate during this update
+        if self.memory is not None:
+            self.memory.phase = "update"
+        waited = time.perf_counter() - start - weight_sync_s
+        return self._batch(
+            generated,
+            {
+                "timing_s/rollout": waited,  # what this step spent on its rollouts: waiting, or generating them
+                "timing_s/rollout_generation": generated.wall_s,  # the batch's own time, overlapped or not
+                "timing_s/weight_sync": weight_sync_s,
+                "rollout/prefetched": float(generated.prefetched),
+                "rollout/prefetch_missed": float(self.missed),  # read ahead but not asked for: generated again
+                "rollout/weights_step": float(generated.weights_step),  # the weights that sampled this batch
+                "rollout/staleness": float(step - generated.weights_step),  # optimizer steps since then
+            },
+        )
+
+    def _load(self, trainer: Any) -> float:
+        """The trainer's weights as they are now into the engine (a collective when sharded); its seconds."""
+        start = time.perf_counter()
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        self.server.load(model if self.weights is None else self.weights.for_generation(model))
+        return time.perf_counter() - start
+
+    def _generate(self, prompts: list[Any], weights_step: int, prefetched: bool = False) -> Generated:
+        start = time.perf_counter()
+        tasks = [json.loads(p) for p in prompts]
+        rollouts, records = run_on_server(
+            self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
+        )
+        return Generated(prompts, rollouts, records, weights_step, time.perf_counter() - start, prefetched)
+
+    def _start(self, prompts: list[Any], weights_step: int) -> None:
+        """Generate `prompts` in the background with the engine's current weights (the trainer's at `weights_step`)."""
+        inflight = InFlight(prompts)
+
+        def run() -> None:
+            try:
+                inflight.generated = self._generate(prompts, weights_step, prefetched=True)
+            except BaseException as exc:  # re-raised in the training thread, which takes the batch
+                inflight.error = exc
+
+        inflight.thread = threading.Thread(target=run, name="async-rollouts", daemon=True)
+        inflight.thread.start()
+        self._inflight = inflight
+
+    def settle(self) -> None:
+        """Wait until the batch in flight (if any) is generated, keeping it: the engine is then free (validation
+        loads other weights into it)."""
+        if self._inflight is not None:
+            self._inflight.wait()
+
+    def _take(self, prompts: list[Any]) -> Generated | None:
+        """The batch in flight, when it was generated for `prompts` (waits for it); else None (counted when it was
+        for other prompts)."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        generated = inflight.wait()
+        if generated.prompts != prompts:
+            self.missed += 1
+            log.warning("the rollouts read ahead were for other prompts than this step's: generated again")
+            return None
+        return generated
+
+    def close(self) -> int:
+        """Wait for and drop the batch in flight (training stopped before its step); 1 when there was one."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return 0
+        with contextlib.suppress(Exception):
+            inflight.wait()
+        self.server.engine.sleep()
+        return 1
+
+    def _batch(self, generated: Generated, timings: dict[str, float]) -> dict[str, Any]:
+        """TRL's batch from the generated rollouts (excluded ones masked) and the step's rollout stats."""
+        rollouts, records = generated.rollouts, generated.records
         pad_id = self.server.tokenizer.pad_token_id
         samples = [self._sample(r, calls, pad_id) for r, calls in zip(rollouts, records, strict=True)]
         n = len(rollouts)
@@ -186,9 +319,9 @@ class AgentRollouts:
             },
             "rollout/model_tokens_mean": sum(sum(s.env_mask) for s in trained) / max(1, len(trained)),
             **check_stats(rollouts),
-            # the phase's wall time (agents, their tool calls and rewards, overlapped), and the rewards' own time
-            "timing_s/rollout": time.perf_counter() - start,
-            "timing_s/weight_sync": weight_sync_s,  # the trainer's weights into the engine, before the rollouts
+            # rollout: the phase's wall time (agents, their tool calls and rewards, overlapped); weight_sync: the
+            # trainer's weights into the engine, before the rollouts; reward_sum: the rewards' own time
+            **timings,
             "timing_s/reward_sum": sum(r.reward_s or 0.0 for r in rollouts),
         }
         return {

@@ -77,9 +77,12 @@ class AgentGRPOTrainer(GRPOTrainer):
         is_correction: str = "none",
         is_cap: float = 2.0,
         accept_reward: float | None = None,
+        lookahead: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
+        self._next_batches: tuple[Any, list[Any]] | None = None  # (the epoch's iterator, the next step's batches)
         self.is_correction = is_correction
         self.is_cap = is_cap
         self.accept_reward = accept_reward  # set: rejection-sampling fine-tuning (`rejection_sampled`)
@@ -90,6 +93,29 @@ class AgentGRPOTrainer(GRPOTrainer):
         super().create_accelerator_and_postprocess()
         if shard_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # FSDP2 on gloo too (backends/trl/fsdp.py)
             self.is_fsdp_enabled = True
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The Trainer's batches of this optimizer step; with `lookahead`, the next step's are read now as well and
+        kept for it (the same iterator, in the same order: nothing is sampled twice or skipped)."""
+        if not self.lookahead:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        kept = self._next_batches
+        if kept is not None and kept[0] is epoch_iterator:
+            batches = kept[1]
+            if len(batches) not in (0, num_batches):  # GRPO's epochs are whole steps (TRL's RepeatSampler)
+                raise RuntimeError(f"read {len(batches)} batches ahead for a step of {num_batches}")
+        else:  # the first step of an epoch (or of a resumed run)
+            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        upcoming, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._next_batches = (epoch_iterator, upcoming)
+        return batches, self._get_num_items_in_batch(batches, device)
+
+    def upcoming_prompts(self) -> list[Any] | None:
+        """The prompts the next optimizer step generates for (this rank's share), None where not known yet (the
+        epoch's last step; without `lookahead`). One generation a step: its first micro-batch holds them all."""
+        if self._next_batches is None or not self._next_batches[1]:
+            return None
+        return [example["prompt"] for example in self._next_batches[1][0]]
 
     def _clip_grad_norm(self, model: Any) -> Any:
         grad_norm = super()._clip_grad_norm(model)

@@ -95,6 +95,8 @@ def verl_overrides(
         raise ConfigError("algorithm=sft_control (the SFT control arm) runs on backend=trl only")
     if algo.time_budget_s is not None:
         raise ConfigError("algorithm.time_budget_s: backend=verl counts steps (set algorithm.max_steps)")
+    if algo.async_rollouts:
+        raise ConfigError("algorithm.async_rollouts: backend=trl's; verl has its own off-policy recipes")
     lora = isinstance(finetune, LoRA)
     micro = algo.micro_batch_size
     return {
