@@ -24,6 +24,11 @@ One engine per process (vLLM and torch.compile each own the GPU's state), one JS
     python bench/agent_rollouts.py --table r_hf.json r_static.json r_vllm.json
     python bench/agent_rollouts.py --shape tiny --device cpu --engine hf --steps 1 --warmup 0 --tasks 2   # CPU check
 
+`--async` runs the same steps with `algorithm.async_rollouts` (the next step's batch generates during this step's
+update; `rollout s` is then what a step waited for its rollouts, tokens/s the batch's own). Side by side:
+
+    for a in "" --async; do python bench/agent_rollouts.py --engine vllm --steps 4 $a --out r_vllm$a.json; done
+
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
 batch's KV cache, at the measured copy bandwidth, with all rollouts of the step in flight), the GRPO step time and its
@@ -188,6 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from backends.trl.backend import _passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
+    from inference.weights import GenerationWeights
     from models.tiny import train_tokenizer
 
     shape, template, _ = SHAPES[args.shape]
@@ -211,8 +217,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.seed = args.seed
         # what the GPU has in use, per phase (the same figures as a training run's summary: backends/memory.py)
         memory = DeviceMemory(args.device).start() if torch.cuda.is_available() else None
+        # --async: the next step's batch generates during this step's update, from weights copied at each load
+        # (vLLM keeps its own); algorithm.async_rollouts in a training run
+        weights = GenerationWeights(args.device, model.dtype, args.engine == "vllm", snapshot=True)
         rollouts = AgentRollouts(
-            agent, parts["reward"], server, algo.sampling(algo.temperature), algo.max_response_length, memory=memory
+            agent,
+            parts["reward"],
+            server,
+            algo.sampling(algo.temperature),
+            algo.max_response_length,
+            weights=weights if args.asynchronous else None,
+            memory=memory,
+            asynchronous=args.asynchronous,
         )
 
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -227,16 +243,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         class PhaseLog(TrainerCallback):
             """Per step: the rollouts' stats and timings, tokens generated, memory after the step."""
 
-            def __init__(self) -> None:
-                self.tokens_before = 0
-
             def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
                 stats = rollouts.last_stats
                 per_step.append(
                     {
-                        "rollout_s": stats["timing_s/rollout"],
+                        "rollout_s": stats["timing_s/rollout"],  # async: what the step waited for its rollouts
+                        "rollout_generation_s": stats.get("timing_s/rollout_generation", stats["timing_s/rollout"]),
+                        "staleness": stats.get("rollout/staleness", 0.0),
                         "weight_sync_s": stats["timing_s/weight_sync"],
-                        "generated_tokens": server.generated - self.tokens_before,
+                        "generated_tokens": rollouts.last_tokens["generated"],  # the step's batch's
                         "excluded_rate": stats["rollout/excluded_rate"],
                         "llm_calls_mean": stats["rollout/llm_calls_mean"],
                         "update_s": trainer.phase_s.get("update", 0.0),
@@ -246,7 +261,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "device_used_gib": device_used_gib(),
                     }
                 )
-                self.tokens_before = server.generated
                 trainer.phase_s.clear()
 
         timer = StepTimer()
@@ -261,6 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             callbacks=[timer, PhaseLog()],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
+            lookahead=args.asynchronous,
         )
         # after GRPOTrainer, which sets the tokenizer's eos there; the policy server reads generation_config's
         model.generation_config.eos_token_id = NO_TOKEN
@@ -275,18 +290,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timed = per_step[args.warmup :]
         steps = timer.steps[args.warmup :]
         rollout_s = statistics.median(s["rollout_s"] for s in timed)
+        generation_s = statistics.median(s["rollout_generation_s"] for s in timed)
         tokens = statistics.median(s["generated_tokens"] for s in timed)
         result = {
             "shape": args.shape,
             "template": template,
             "finetune": args.finetune,
             "engine": type(engine).__name__,
+            "asynchronous": args.asynchronous,
             "per_step": per_step,
             "step_s": timer.steps,
             "median_step_s": statistics.median(steps),
             "median_rollout_s": rollout_s,
+            "median_rollout_generation_s": generation_s,  # the batch's own time (= rollout_s when synchronous)
             "median_generated_tokens": tokens,
-            "rollout_tokens_per_s": tokens / rollout_s,
+            "rollout_tokens_per_s": tokens / generation_s,
             "median_update_s": statistics.median(s["update_s"] for s in timed),
             "median_scoring_s": statistics.median(s["scoring_s"] for s in timed),
             "median_weight_sync_s": statistics.median(s["weight_sync_s"] for s in timed),
@@ -307,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     lines = [
         "| shape | engine | rollout s | x HF (rollout) | generated tok | tok/s | % bound | step s | x HF (step) "
-        "| update s | scoring s | weight sync s | peak GiB torch / device |",
+        "| update s | scoring s | weight sync s | peak GiB in use |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     hf = {r["shape"]: r for r in results if r["engine"] == "HFGenerate"}
@@ -315,9 +333,10 @@ def table(results: list[dict[str, Any]]) -> str:
         base = hf.get(r["shape"])
         x_roll = f"{base['median_rollout_s'] / r['median_rollout_s']:.1f}" if base else "-"
         x_step = f"{base['median_step_s'] / r['median_step_s']:.1f}" if base else "-"
-        peak = f"{r['peak_torch_gib'] or float('nan'):.1f} / {r['peak_device_used_gib']:.1f}"
+        peak = f"{r['peak_device_used_gib']:.1f}"
+        engine = r["engine"] + (" (async)" if r.get("asynchronous") else "")
         lines.append(
-            f"| {r['shape']} | {r['engine']} | {r['median_rollout_s']:.1f} | {x_roll} "
+            f"| {r['shape']} | {engine} | {r['median_rollout_s']:.1f} | {x_roll} "
             f"| {r['median_generated_tokens']:.0f} | {r['rollout_tokens_per_s']:.0f} | {100 * r['bound_share']:.1f} "
             f"| {r['median_step_s']:.1f} | {x_step} | {r['median_update_s']:.1f} | {r['median_scoring_s']:.1f} "
             f"| {r['median_weight_sync_s']:.2f} | {peak} |"
@@ -340,6 +359,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async", dest="asynchronous", action="store_true", help="algorithm.async_rollouts")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")
     args = parser.parse_args()
