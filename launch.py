@@ -1,7 +1,7 @@
 """The single entry point: compose the config (Hydra), then run the selected job in its run directory.
 
 python launch.py                                  # the default: tiny SQL agent, GRPO on CPU
-python launch.py --cfg job model=qwen7b finetune=lora
+python launch.py --cfg job model=qwen2.5-7b-instruct finetune=lora
 python launch.py -m model=tiny seed=0,1           # a sweep: one run directory per run
 """
 

@@ -81,10 +81,10 @@ QWEN3_1_7B = {
 }
 # shape: (model config, chat template, the project's model preset it stands for)
 SHAPES: dict[str, tuple[dict[str, Any], str, str]] = {
-    "qwen25_1_5b": (QWEN25_1_5B, "qwen25", "qwen25_coder_1_5b"),
-    "qwen3_1_7b": (QWEN3_1_7B, "qwen3", "qwen3_0_6b"),
-    "qwen25_7b": (SPEED_SHAPES["real"]["qwen25_7b"], "qwen25", "qwen7b"),
-    "tiny": (SPEED_SHAPES["tiny"]["qwen25_7b"], "qwen25", "qwen7b"),
+    "qwen25_1_5b": (QWEN25_1_5B, "qwen25", "qwen2.5-coder-1.5b-instruct"),
+    "qwen3_1_7b": (QWEN3_1_7B, "qwen3", "qwen3-0.6b"),
+    "qwen25_7b": (SPEED_SHAPES["real"]["qwen25_7b"], "qwen25", "qwen2.5-7b-instruct"),
+    "tiny": (SPEED_SHAPES["tiny"]["qwen25_7b"], "qwen25", "qwen2.5-7b-instruct"),
 }
 NO_TOKEN = -1  # the eos id: no token has it, so nothing stops before its drawn length
 ENGINE_STATS = ("steps", "max_running", "weight_loads", "graph_captures")

@@ -1,4 +1,4 @@
-"""What a GRPO step's rollout loop costs besides generation: `experiment=learn_gpu`'s step (8 tasks x 16 rollouts of
+"""What a GRPO step's rollout loop costs besides generation: `experiment=learn-gpu`'s step (8 tasks x 16 rollouts of
 the Spider SQL agent with the check step, up to 3 SQL turns, its SQLite tool and the exec-match reward) through the
 policy server, against an engine that answers at once with scripted replies. With generation free, this is the floor
 under a step's rollout time on any GPU: the event loop that runs the agents and the server, and the reward threads.
@@ -14,7 +14,7 @@ a step (the first to meet a step's tasks pays for what is cold: the tokenizer's 
 
 The scripted model, per task and call (the same for every variant: drawn from the question and the call's index):
 a write or rewrite call answers the gold SQL with probability 1/2, else another task's gold query on the same
-database; a check call says CORRECT with probability 0.6. About 2.6 calls a rollout, as learn_gpu's runs (2.4-2.9).
+database; a check call says CORRECT with probability 0.6. About 2.6 calls a rollout, as learn-gpu's runs (2.4-2.9).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
 
     from experiments.config import build_components
 
-    overrides = ["experiment=learn_gpu", "algorithm=grpo", f"paths.cache_dir={args.cache}"]
+    overrides = ["experiment=learn-gpu", "algorithm=grpo", f"paths.cache_dir={args.cache}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=overrides)
     return build_components(cfg)
@@ -159,7 +159,7 @@ def main() -> None:
     result = {
         "bench": "rollout_loop",
         "command": "python " + " ".join(sys.argv),
-        "workload": f"experiment=learn_gpu: {args.tasks} tasks x {args.group} rollouts a step, scripted replies",
+        "workload": f"experiment=learn-gpu: {args.tasks} tasks x {args.group} rollouts a step, scripted replies",
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
         "step_s_median": median,
         "step_s": times,

@@ -171,7 +171,7 @@ def compose(case: str, args: argparse.Namespace, cache: Path, engine: str) -> di
 
     model_name, finetune = CASES[case]
     overrides = [
-        f"model={'qwen7b' if model_name == 'qwen25_7b' else 'qwen3_0_6b'}",
+        f"model={'qwen2.5-7b-instruct' if model_name == 'qwen25_7b' else 'qwen3-0.6b'}",
         f"finetune={finetune}",
         f"paths.cache_dir={cache}",
         "data.generate.n_train=64",

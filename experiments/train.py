@@ -185,7 +185,7 @@ def describe(summary: dict[str, Any]) -> str:
     else:
         lines.append(
             "no control arm — no claim about GRPO vs SFT (run algorithm=sft_control and algorithm=rft from the same "
-            "warm start, e.g. python launch.py -m experiment=learn_gpu, then python -m analysis.report)"
+            "warm start, e.g. python launch.py -m experiment=learn-gpu, then python -m analysis.report)"
         )
     return "\n".join(lines)
 

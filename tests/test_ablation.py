@@ -21,10 +21,10 @@ from tests.test_report import out_tables, table_rows
 
 GRIDS = [o for o in options("experiment") if o.startswith("ablation_")]
 SWEPT = {
-    "ablation_context": ("algorithm.max_prompt_length", ["2048", "4096"]),
-    "ablation_turns": ("agent.max_turns", ["1", "3"]),
-    "ablation_check": ("agent.check_step", ["True", "False"]),
-    "ablation_models": ("model", ["qwen25_coder_1_5b", "qwen25_coder_3b"]),
+    "ablation-context": ("algorithm.max_prompt_length", ["2048", "4096"]),
+    "ablation-turns": ("agent.max_turns", ["1", "3"]),
+    "ablation-check": ("agent.check_step", ["True", "False"]),
+    "ablation-models": ("model", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-3b-instruct"]),
 }
 
 
@@ -79,7 +79,7 @@ def test_a_tiny_grid_goes_from_launch_to_report(
         monkeypatch.setenv(name, str(wandb_home / name))
 
     # 2 values x 2 seeds, tracked offline although a key is set (the mode says so), then the report.
-    args = ["-m", "experiment=ablation_turns_tiny", "seed=0,1", "logger=wandb", "logger.mode=offline"]
+    args = ["-m", "experiment=ablation-turns-tiny", "seed=0,1", "logger=wandb", "logger.mode=offline"]
     result = launch(args, cache_dir, tmp_path, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
     (sweep,) = (tmp_path / "sweeps").iterdir()
@@ -114,8 +114,8 @@ def test_a_tiny_grid_goes_from_launch_to_report(
         (record,) = path.glob("wandb/offline-run-*/run-*.wandb")
         data = record.read_bytes()
         turns = next(o for o in summary["overrides"] if o.startswith("agent.max_turns="))
-        assert f"ablation_turns_tiny/{sweep.name}".encode() in data and turns.encode() in data
-        assert b"val/accuracy" in data and b"train/reward_mean" in data and b"experiment=ablation_turns_tiny" in data
+        assert f"ablation-turns-tiny/{sweep.name}".encode() in data and turns.encode() in data
+        assert b"val/accuracy" in data and b"train/reward_mean" in data and b"experiment=ablation-turns-tiny" in data
 
     # No key in any config, log, metric, W&B record or report.
     for path in files_under(sweep, wandb_home):

@@ -16,7 +16,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import RunSettings, build_components, check_job, check_run, check_schema
 from foundation.errors import ConfigError
@@ -41,11 +41,11 @@ def compose_with(*overrides: str) -> DictConfig:
 # Options that need another option: a model other than the default tiny one (whose context is 1024 tokens), or the
 # agent that answers the data set's tasks.
 NEEDS = {
-    ("algorithm", "grpo"): "model=qwen7b",
-    ("algorithm", "sft_control"): "experiment=learn_gpu",  # a warm start, and lengths that fit the tiny model
-    ("algorithm", "rft"): "experiment=learn_gpu",
-    ("algorithm", "sft_continue"): "experiment=learn_gpu",
-    ("algorithm", "sft_ceiling"): "experiment=learn_gpu",
+    ("algorithm", "grpo"): "model=qwen2.5-7b-instruct",
+    ("algorithm", "sft_control"): "experiment=learn-gpu",  # a warm start, and lengths that fit the tiny model
+    ("algorithm", "rft"): "experiment=learn-gpu",
+    ("algorithm", "sft_continue"): "experiment=learn-gpu",
+    ("algorithm", "sft_ceiling"): "experiment=learn-gpu",
     ("data", "med_qa"): "agent=med_sql",
     ("data", "dbbench"): "agent=dbbench",
     ("job", "status"): "job.sweep_dir=outputs/sweeps/any",  # the jobs' mandatory (???) keys
@@ -68,18 +68,18 @@ def test_every_option_composes_and_builds(group: str, option: str, spider_mini_d
 
 
 def test_model_presets_name_their_hub_ids() -> None:
-    hub_ids = {o: compose_with(f"model={o}").model.hub_id for o in options("model")}
+    hub_ids = {o: compose_with(f"model={o}").model.hub_id for o in options("model") if o not in RENAMED["model"]}
     assert hub_ids == {
         "tiny": None,
-        "qwen3_0_6b": "Qwen/Qwen3-0.6B",
-        "qwen25_coder_1_5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-        "qwen25_coder_3b": "Qwen/Qwen2.5-Coder-3B-Instruct",
-        "qwen7b": "Qwen/Qwen2.5-7B-Instruct",
+        "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+        "qwen2.5-coder-1.5b-instruct": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        "qwen2.5-coder-3b-instruct": "Qwen/Qwen2.5-Coder-3B-Instruct",
+        "qwen2.5-7b-instruct": "Qwen/Qwen2.5-7B-Instruct",
     }
 
 
 def test_model_path_overrides_the_hub_id(tmp_path: Path) -> None:
-    model = build_components(compose_with("model=qwen7b", f"model.path={tmp_path}"))["model"]
+    model = build_components(compose_with("model=qwen2.5-7b-instruct", f"model.path={tmp_path}"))["model"]
     assert model.prepare([]) == str(tmp_path)
 
 
@@ -93,13 +93,13 @@ def test_tiny_selects_its_warm_start_and_cpu_sizes_but_real_models_do_not() -> N
     tiny = compose_with()
     assert tiny.warmstart.name == "sft_tiny" and tiny.warmstart.rl_tasks == 16 and tiny.algorithm.max_steps > 0
     assert tiny.algorithm.pool_samples == 8
-    real = compose_with("model=qwen7b")
+    real = compose_with("model=qwen2.5-7b-instruct")
     assert not real.warmstart and real.algorithm.max_prompt_length == 4096 and real.algorithm.pool_samples is None
 
 
 def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shortens_it() -> None:
     assert build_components(compose_with("experiment=smoke"))["warmstart"].steps == 5
-    for overrides in (["experiment=smoke", "warmstart=none"], ["warmstart=none", "experiment=ablation_check_tiny"]):
+    for overrides in (["experiment=smoke", "warmstart=none"], ["warmstart=none", "experiment=ablation-check-tiny"]):
         assert build_components(compose_with(*overrides))["warmstart"] is None
 
 
@@ -115,23 +115,23 @@ def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shorten
         (["agent.max_turns=0"], "agent.max_turns"),
         (["data=spider", "data.spider_dir=/no/such/dir"], "data.spider_dir"),
         (["data=spider", "data.spider_dir=null"], "data.spider_dir"),
-        (["model=qwen7b", "model.path=/no/such/model"], "model.path"),
+        (["model=qwen2.5-7b-instruct", "model.path=/no/such/model"], "model.path"),
         (["model.chat_template=qwen9"], "model.chat_template"),
         (["model.chat_template=llama3"], "model.chat_template=llama3 writes tool calls as llama3_json"),
         (["data.split_seed=-1"], "data.split_seed"),
         (["algorithm.flops_budget=0"], "algorithm.flops_budget"),
         (["algorithm.pool_samples=1"], "algorithm.pool_samples"),
         (["warmstart.path=/no/such/warmstart"], "warmstart.path"),
-        (["model=qwen3_0_6b", "model.tool_call_format=xml"], "model.tool_call_format"),
+        (["model=qwen3-0.6b", "model.tool_call_format=xml"], "model.tool_call_format"),
         (["algorithm.is_correction=always"], "algorithm.is_correction"),
         (["algorithm.is_cap=0.5"], "algorithm.is_cap"),
         (["algorithm.reward_timeout_s=0"], "algorithm.reward_timeout_s"),
         (["algorithm.loss_type=bogus"], "algorithm.loss_type"),
         (["algorithm.time_budget_s=0"], "algorithm.time_budget_s"),
         (["algorithm=sft_control", "algorithm.max_prompt_length=512", "algorithm.max_steps=-1"], "sft_control needs"),
-        (["experiment=learn_gpu", "algorithm=sft_control", "algorithm.sft_learning_rate=0"], "algorithm.sft_learn"),
-        (["model=qwen7b", "algorithm=sft_control", "warmstart=none"], "algorithm=sft_control continues"),
-        (["experiment=learn_gpu", "algorithm=sft_control", "finetune=lora"], "algorithm=sft_control trains every"),
+        (["experiment=learn-gpu", "algorithm=sft_control", "algorithm.sft_learning_rate=0"], "algorithm.sft_learn"),
+        (["model=qwen2.5-7b-instruct", "algorithm=sft_control", "warmstart=none"], "algorithm=sft_control continues"),
+        (["experiment=learn-gpu", "algorithm=sft_control", "finetune=lora"], "algorithm=sft_control trains every"),
     ],
 )
 def test_bad_values_name_their_key(overrides: list[str], key: str) -> None:
@@ -164,7 +164,9 @@ def test_launch_rejects_an_unknown_group_option(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
-    result = launch(["--cfg", "job", "model=qwen7b", "finetune=lora"], tmp_path / "cache", tmp_path / "out")
+    result = launch(
+        ["--cfg", "job", "model=qwen2.5-7b-instruct", "finetune=lora"], tmp_path / "cache", tmp_path / "out"
+    )
     assert result.returncode == 0, result.stderr
     assert "hub_id: Qwen/Qwen2.5-7B-Instruct" in result.stdout and "rank: 32" in result.stdout
 
@@ -184,9 +186,9 @@ def test_an_agent_brings_its_data_and_reward(agent: str, data: str, reward: str)
 
 
 def test_the_learning_experiment_gives_both_arms_the_same_budget_and_warm_start() -> None:
-    """experiment=learn_gpu: the GRPO settings it writes leave the control's own SFT keys alone."""
-    grpo = build_components(compose_with("experiment=learn_gpu", "algorithm=grpo"))
-    control = build_components(compose_with("experiment=learn_gpu", "algorithm=sft_control"))
+    """experiment=learn-gpu: the GRPO settings it writes leave the control's own SFT keys alone."""
+    grpo = build_components(compose_with("experiment=learn-gpu", "algorithm=grpo"))
+    control = build_components(compose_with("experiment=learn-gpu", "algorithm=sft_control"))
     assert grpo["algorithm"].time_budget_s == control["algorithm"].time_budget_s == 150
     assert (grpo["algorithm"].learning_rate, control["algorithm"].sft_learning_rate) == (1e-4, 1e-4)
     assert control["algorithm"].sft_val_every == 1000 and grpo["algorithm"].val_every == 20
@@ -345,10 +347,10 @@ def test_a_bad_value_is_rejected_naming_its_key(group: str, line: str) -> None:
 
 
 def test_the_pool_experiment_gives_every_arm_one_warm_start_and_one_flops_budget() -> None:
-    """experiment=learn_pool_gpu: four arms (GRPO, RFT, SFT continued on the warm start's demonstrations, a gold-SFT
+    """experiment=learn-pool-gpu: four arms (GRPO, RFT, SFT continued on the warm start's demonstrations, a gold-SFT
     ceiling) from a warm start on a quarter of the tasks, at one FLOPs budget and no time budget."""
     arms = {
-        name: build_components(compose_with("experiment=learn_pool_gpu", f"algorithm={name}"))
+        name: build_components(compose_with("experiment=learn-pool-gpu", f"algorithm={name}"))
         for name in ("grpo", "rft", "sft_continue", "sft_ceiling")
     }
     assert {a["algorithm"].name for a in arms.values()} == {"grpo", "rft", "sft_control", "sft_ceiling"}
@@ -359,3 +361,36 @@ def test_the_pool_experiment_gives_every_arm_one_warm_start_and_one_flops_budget
         arms["sft_continue"]["algorithm"].sft_demos == "warmstart"
         and arms["sft_ceiling"]["algorithm"].sft_demos == "rl"
     )
+
+
+# The names before 2026-11-26, kept for one release as aliases of the new ones (docs/evaluation.md, "Names")
+RENAMED = {
+    "model": {
+        "qwen7b": "qwen2.5-7b-instruct",
+        "qwen25_coder_1_5b": "qwen2.5-coder-1.5b-instruct",
+        "qwen25_coder_3b": "qwen2.5-coder-3b-instruct",
+        "qwen3_0_6b": "qwen3-0.6b",
+    },
+    "experiment": {
+        old: old.replace("_", "-")
+        for old in [f"ablation_{f}{t}" for f in ("check", "context", "models", "turns") for t in ("", "_tiny")]
+        + ["learn_gpu", "learn_pool_gpu"]
+    },
+}
+
+
+@pytest.mark.parametrize(("group", "old", "new"), [(g, o, n) for g, names in RENAMED.items() for o, n in names.items()])
+def test_an_old_name_composes_exactly_what_its_new_name_does(group: str, old: str, new: str) -> None:
+    def composed(option: str) -> dict[str, Any]:
+        config = OmegaConf.to_container(compose_with(f"{group}={option}"), resolve=False)
+        assert isinstance(config, dict)
+        return config | {"hydra": None}  # the overrides it records name the option
+
+    assert composed(old) == composed(new)
+
+
+@pytest.mark.parametrize("group", sorted(RENAMED))
+def test_presets_and_model_options_are_named_in_one_scheme(group: str) -> None:
+    """Lowercase words joined by hyphens (a dot inside a version: qwen2.5), the aliases aside."""
+    names = [name for name in options(group) if name not in RENAMED[group]]
+    assert [n for n in names if not re.fullmatch(r"[a-z0-9.]+(-[a-z0-9.]+)*", n)] == []

@@ -32,7 +32,7 @@ def test_doctor_passes_for_the_default_run(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_doctor_fails_for_backend_verl_without_its_venv(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["job=doctor", "backend=verl", "model=qwen25_coder_1_5b", f"hydra.run.dir={run_dir}"]
+    args = ["job=doctor", "backend=verl", "model=qwen2.5-coder-1.5b-instruct", f"hydra.run.dir={run_dir}"]
     result = launch(args, tmp_path / "cache", tmp_path)
     assert result.returncode != 0
     table = rows(run_dir)
@@ -53,7 +53,7 @@ def test_doctor_fails_on_a_missing_model_path(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_validate_outside_the_verl_venv_names_it(tmp_path: Path) -> None:
-    result = launch(["job=validate", "backend=verl", "model=qwen25_coder_1_5b"], tmp_path / "cache", tmp_path)
+    result = launch(["job=validate", "backend=verl", "model=qwen2.5-coder-1.5b-instruct"], tmp_path / "cache", tmp_path)
     assert result.returncode != 0
     assert "make setup-verl, then run with .venv-verl/bin/python" in result.stdout + result.stderr
 

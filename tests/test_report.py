@@ -32,7 +32,7 @@ def write_run(
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-    choices = {"model": "qwen25_coder_3b", "experiment": config.get("experiment_name", "x")}
+    choices = {"model": "qwen2.5-coder-3b-instruct", "experiment": config.get("experiment_name", "x")}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
     if val is None:  # ended before its first validation, or not ended
         if summary is not None:
@@ -56,7 +56,7 @@ def config_of(ctx: int, turns: int, check: bool, seed: int, resources: dict | No
         "seed": seed,
         "algorithm": {"name": "grpo", "max_prompt_length": ctx, "max_response_length": 1024},
         "agent": {"max_turns": turns, "check_step": check},
-        "model": {"name": "qwen25_coder_3b"},
+        "model": {"name": "qwen2.5-coder-3b-instruct"},
     }
     return config | ({"resources": resources} if resources else {})
 
@@ -208,10 +208,10 @@ def test_a_wandb_project_reads_like_run_directories() -> None:
 
     class FakeApi:
         def runs(self, path: str, filters: dict | None) -> list[FakeRun]:
-            assert path == "me/agentic-rl" and filters == {"group": "ablation_turns/2026-11-21_22-16-17"}
+            assert path == "me/agentic-rl" and filters == {"group": "ablation-turns/2026-11-21_22-16-17"}
             return [FakeRun(1, 0, "finished"), FakeRun(3, 0, "finished"), FakeRun(3, 1, "running")]
 
-    runs = load_wandb("me/agentic-rl/ablation_turns/2026-11-21_22-16-17", FakeApi())
+    runs = load_wandb("me/agentic-rl/ablation-turns/2026-11-21_22-16-17", FakeApi())
     built, factors = report.build(runs)
     assert factors == ["agent.max_turns"]
     assert list(built.runs.status) == ["completed", "completed", "unfinished"]
@@ -227,7 +227,7 @@ def write_arm(
     subsets: dict[str, float] | None = None,
     warm_seed: int | None = None,
 ) -> None:
-    """A run of experiment=learn_gpu as the TRL backend writes it: validation after the warm start (step 0, no
+    """A run of experiment=learn-gpu as the TRL backend writes it: validation after the warm start (step 0, no
     training seconds), then steps with `train/elapsed_s`; the control logs no reward. `subsets`: the last
     validation's accuracy per subset of the validation split. `warm_seed`: the run's `warmstart.seed` override, and a
     warm-start digest of its own."""
@@ -237,7 +237,7 @@ def write_arm(
     config: dict[str, Any] = {"seed": seed, "algorithm": {"name": arm, "time_budget_s": 180.0}}
     config |= {} if warm_seed is None else {"warmstart": {"seed": warm_seed}}
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
-    choices = {"algorithm": arm, "experiment": "learn_gpu"}
+    choices = {"algorithm": arm, "experiment": "learn-gpu"}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
     lines: list[dict[str, Any]] = [{"step": 0, "val/accuracy": 0.5}]
     for step, elapsed in ((10, 90.0), (20, 181.0)):

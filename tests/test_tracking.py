@@ -55,7 +55,7 @@ def test_swept_keys_come_from_the_command_line_and_the_preset(tmp_path: Path) ->
     multirun = {
         "hydra": {
             "sweeper": {"params": {"agent.max_turns": "1,3"}},
-            "overrides": {"task": ["experiment=ablation_turns_tiny", "seed=0,1", "model=tiny"]},
+            "overrides": {"task": ["experiment=ablation-turns-tiny", "seed=0,1", "model=tiny"]},
         }
     }
     (tmp_path / "multirun.yaml").write_text(yaml.safe_dump(multirun))

@@ -231,7 +231,7 @@ CONTROL_FLOPS = 4e11  # a few SFT steps of the smoke run's tiny model (~8e10 FLO
 def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budget(
     cache_dir: Path, tmp_path: Path
 ) -> None:
-    """experiment=learn_gpu's machinery on CPU: GRPO under a time budget builds the shared warm start; the control
+    """experiment=learn-gpu's machinery on CPU: GRPO under a time budget builds the shared warm start; the control
     (algorithm=sft_control) reuses the very same weights, trains SFT for its FLOPs budget and is validated like GRPO;
     both count their compute alike."""
     shared = [*FAST_RUN, "warmstart.shared=true", "warmstart.seed=0", "algorithm.max_prompt_length=512"]

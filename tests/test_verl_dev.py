@@ -170,7 +170,7 @@ def run_dev(
         *extra,
         "backend=dev",
         f"agent={agent}",
-        "model=qwen25_coder_1_5b",
+        "model=qwen2.5-coder-1.5b-instruct",
         f"backend.n_tasks={N_TASKS}",
         *[f"data.generate.{k}={v}" for k, v in DATA[agent].items()],
         f"endpoint.base_url={url}",

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.verl
 def test_doctor_in_the_verl_venv(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     store = f"http://127.0.0.1:{closed_port()}"
-    args = ["job=doctor", "backend=verl", "model=qwen25_coder_1_5b", "finetune=lora", "job.min_free_gb=0"]
+    args = ["job=doctor", "backend=verl", "model=qwen2.5-coder-1.5b-instruct", "finetune=lora", "job.min_free_gb=0"]
     result = launch([*args, f"backend.store_address={store}", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
     assert result.returncode != 0
     table = {r["check"]: r for r in json.loads((run_dir / "doctor.json").read_text())}
@@ -29,7 +29,13 @@ def test_doctor_in_the_verl_venv(tmp_path: Path) -> None:
 
 def test_doctor_passes_for_backend_dev(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["job=doctor", "backend=dev", "model=qwen25_coder_1_5b", "job.min_free_gb=0", f"hydra.run.dir={run_dir}"]
+    args = [
+        "job=doctor",
+        "backend=dev",
+        "model=qwen2.5-coder-1.5b-instruct",
+        "job.min_free_gb=0",
+        f"hydra.run.dir={run_dir}",
+    ]
     result = launch(args, tmp_path / "c", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = {r["check"]: r for r in json.loads((run_dir / "doctor.json").read_text())}

@@ -67,7 +67,7 @@ def test_a_two_node_job_starts_ray_on_both_nodes_and_stops_it(two_nodes: None, t
 def test_backend_verl_on_two_nodes_starts_ray_over_them(two_nodes: None, tmp_path: Path) -> None:
     """backend=verl up to Trainer.fit (backend.fit=false: vLLM and GPUs are what this machine lacks), as in
     test_verl_train.py, on two nodes: the run starts Ray over its allocation before it builds the trainer."""
-    verl = ["backend=verl", "model=qwen25_coder_1_5b", "finetune=lora", "backend.fit=false"]
+    verl = ["backend=verl", "model=qwen2.5-coder-1.5b-instruct", "finetune=lora", "backend.fit=false"]
     data = ["data.generate.n_train=24", "data.generate.n_dev=4"]
     summary, run_dir = sweep([*verl, *data], tmp_path)
     assert summary["status"] == "completed" and summary["fit"].startswith("skipped"), summary

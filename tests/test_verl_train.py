@@ -13,7 +13,7 @@ from tests.conftest import launch
 
 pytestmark = [pytest.mark.verl, pytest.mark.xdist_group("ray")]  # with test_verl_ray_slurm.py: one Ray at a time
 
-ARGS = ["backend=verl", "model=qwen25_coder_1_5b", "finetune=lora", "backend.fit=false"]
+ARGS = ["backend=verl", "model=qwen2.5-coder-1.5b-instruct", "finetune=lora", "backend.fit=false"]
 DATA = ["data.generate.n_train=24", "data.generate.n_dev=4"]
 
 

@@ -42,14 +42,16 @@ def test_every_model_finetune_agent_combination_validates(
 
 
 def test_trajectory_aggregation_gets_our_lengths(tmp_path: Path) -> None:
-    cfg = compose_config(["backend=verl", "model=qwen7b", "backend.trace_aggregation=trajectory"], tmp_path)
+    cfg = compose_config(
+        ["backend=verl", "model=qwen2.5-7b-instruct", "backend.trace_aggregation=trajectory"], tmp_path
+    )
     aggregator = verl_config(cfg, tmp_path).agentlightning.trace_aggregator
     assert aggregator.level == "trajectory"
     assert aggregator.trajectory_max_response_length == cfg.algorithm.max_response_length
 
 
 def test_resources_reach_verl(tmp_path: Path) -> None:
-    overrides = ["backend=verl", "model=qwen7b", "resources.nodes=2", "resources.gpus_per_node=4"]
+    overrides = ["backend=verl", "model=qwen2.5-7b-instruct", "resources.nodes=2", "resources.gpus_per_node=4"]
     generated = verl_config(compose_config([*overrides, "backend.tensor_parallel_size=2"], tmp_path), tmp_path)
     assert (generated.trainer.nnodes, generated.trainer.n_gpus_per_node) == (2, 4)
     assert generated.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
@@ -81,7 +83,7 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize(("overrides", "key"), BAD_CONFIGS, ids=[key for _, key in BAD_CONFIGS])
 def test_a_bad_config_fails_naming_its_key(overrides: list[str], key: str, tmp_path: Path) -> None:
-    cfg = compose_config(["backend=verl", "model=qwen25_coder_1_5b", *overrides], tmp_path)
+    cfg = compose_config(["backend=verl", "model=qwen2.5-coder-1.5b-instruct", *overrides], tmp_path)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         verl_config(cfg, tmp_path)
 
@@ -93,7 +95,13 @@ def test_model_tiny_needs_a_built_model_path(tmp_path: Path) -> None:
 
 def test_launch_validate_writes_the_verl_config(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["job=validate", "backend=verl", "model=qwen25_coder_1_5b", "finetune=lora", f"hydra.run.dir={run_dir}"]
+    args = [
+        "job=validate",
+        "backend=verl",
+        "model=qwen2.5-coder-1.5b-instruct",
+        "finetune=lora",
+        f"hydra.run.dir={run_dir}",
+    ]
     result = launch(args, tmp_path / "cache", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -104,7 +112,7 @@ def test_launch_validate_writes_the_verl_config(tmp_path: Path) -> None:
 
 
 def test_launch_validate_fails_naming_the_key(tmp_path: Path) -> None:
-    args = ["job=validate", "backend=verl", "model=qwen25_coder_1_5b", "finetune=lora", "finetune.rank=12"]
+    args = ["job=validate", "backend=verl", "model=qwen2.5-coder-1.5b-instruct", "finetune=lora", "finetune.rank=12"]
     result = launch(args, tmp_path / "cache", tmp_path)
     assert result.returncode != 0
     assert "finetune.rank=12: vLLM serves LoRA ranks" in result.stderr + result.stdout
