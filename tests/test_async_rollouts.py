@@ -134,15 +134,20 @@ def test_synchronous_rollouts_generate_each_step_s_batch_in_its_own_step(tmp_pat
 
 
 @pytest.mark.integration
-def test_an_async_run_validates_between_steps_and_says_what_it_read_ahead(cache_dir: Path, tmp_path: Path) -> None:
-    """Through launch.py: validation waits for the batch in flight (it loads the engine), the summary says."""
+def test_an_async_run_on_two_ranks_validates_between_steps_and_says_what_it_read_ahead(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """Through launch.py, 2 FSDP2 ranks (gloo): every rank loads the weights at the same points (a collective), the
+    validation waits for the batch in flight (it loads the engine), the summary says what was read ahead."""
     run = tmp_path / "run"
-    args = [*FAST_RUN, "algorithm.async_rollouts=true", "algorithm.max_steps=3", f"hydra.run.dir={run}"]
-    result = launch(args, cache_dir, tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    args = [*FAST_RUN, "algorithm.async_rollouts=true", "algorithm.max_steps=3", "resources.gpus_per_node=2"]
+    result = launch([*args, f"hydra.run.dir={run}"], cache_dir, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["rollouts_per_rank"] == [6, 6]  # 2 tasks x 2 rollouts, 3 steps
     grpo = summary["grpo"]
     assert (grpo["async_rollouts"], grpo["prefetch_missed"], grpo["discarded_in_flight"]) == (True, 0, 0)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]
+    assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]  # the mean over both ranks
+    assert [m["rollout/weights_step"] for m in metrics] == [0.0, 0.0, 1.0]
     assert all("val/accuracy" in m for m in metrics)  # experiment=smoke validates every step

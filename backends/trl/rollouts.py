@@ -35,6 +35,7 @@ from typing import Any
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from backends.memory import DeviceMemory
 from backends.trl.fsdp import OptimizerOffload
+from foundation.ranks import world_size
 from inference.policy_server import CallRecord, PolicyServer
 from inference.weights import GenerationWeights
 
@@ -203,12 +204,15 @@ class AgentRollouts:
         if self.memory is not None:
             self.memory.phase = "rollout"
         generated, weight_sync_s = self._take(prompts), 0.0
-        if generated is None:
+        # a load is a collective when the model is sharded: every rank loads when any rank generates here
+        loaded = _on_any_rank(generated is None)
+        if loaded:
             weight_sync_s = self._load(trainer)
+        if generated is None:
             generated = self._generate(prompts, step)
-        upcoming = trainer.upcoming_prompts() if step + 1 < trainer.state.max_steps else None
+        upcoming = trainer.upcoming_prompts() if step + 1 < trainer.state.max_steps else None  # alike on every rank
         if upcoming is not None:
-            if generated.prefetched:  # else the weights were just loaded, for this step's own rollouts
+            if not loaded:  # else the weights were just loaded, for this step's own rollouts
                 weight_sync_s = self._load(trainer)
             self._start(upcoming, step)
         else:
@@ -350,6 +354,15 @@ class AgentRollouts:
     def _next_ids(self, count: int) -> list[str]:
         start, self._counter = self._counter, self._counter + count
         return [f"r{i}" for i in range(start, start + count)]
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is on some rank (a collective with several ranks)."""
+    if world_size() == 1:
+        return flag
+    from accelerate.utils import gather_object
+
+    return any(gather_object([flag]))
 
 
 def run_on_server(
