@@ -90,7 +90,8 @@ class Setting:
     micro_batch_tokens: int  # algorithm.micro_batch_size x (max_prompt_length + max_response_length)
     engine: str  # vllm, static or hf
     engine_share: float  # backend.vllm_gpu_memory_utilization
-    engine_sleeps: bool  # backend.vllm_sleep
+    engine_sleeps: bool  # backend.vllm_sleep (and not algorithm.async_rollouts: the engine generates during the update)
+    snapshot: bool = False  # algorithm.async_rollouts: a static or HF engine generates from a copy of the weights
     weight_bytes: int = 2  # bytes a weight in the model's dtype on GPUs (model.dtype: 2 for bf16 and auto, 4 for fp32)
 
 
@@ -117,7 +118,8 @@ def plan_memory(shape: Shape, setting: Setting, capacity_gb: float) -> dict[str,
     )
     logits = LOGIT_BYTES * tokens * shape.vocab
     awake = setting.engine_share * capacity_gb * GB if setting.engine == "vllm" else 0.0
-    copy = b * p if setting.engine != "vllm" and setting.sharded else 0.0  # inference/weights.py's gathered copy
+    # inference/weights.py's copy for generation: gathered from the shards, or a snapshot the update does not write
+    copy = b * p if setting.engine != "vllm" and (setting.sharded or setting.snapshot) else 0.0
     asleep = (SLEEPING_ENGINE_GB * GB if setting.engine_sleeps else awake) if setting.engine == "vllm" else copy
     on_gpu = 0.0 if setting.offload == "all" else 1.0  # all: the trainer's state lives in CPU memory
     rollout = {

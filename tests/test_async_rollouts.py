@@ -1,7 +1,8 @@
 """Asynchronous rollouts (`algorithm.async_rollouts`): the next step's batch generates while this step updates, one
 step off-policy; each step trains on exactly the prompts TRL gave it, and says which weights sampled them.
 
-On a micro model through AgentGRPOTrainer's own training loop: 4 tasks, 2 a step, 2 epochs (4 steps)."""
+On a micro model through AgentGRPOTrainer's own training loop: 6 tasks, 2 a step in 2 micro-batches, 2 epochs (6
+steps, 3 an epoch)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from tests.conftest import FAST_RUN, launch, micro_tiny
 
 GROUP, TASKS_PER_STEP = 2, 2
 BATCH = GROUP * TASKS_PER_STEP
-TASKS = [{"id": f"t{i}", "question": q} for i, q in enumerate(["How many?", "Again.", "Count them.", "Which one?"])]
+QUESTIONS = ["How many?", "Again.", "Count them.", "Which one?", "Show all.", "List them."]
+TASKS = [{"id": f"t{i}", "question": q} for i, q in enumerate(QUESTIONS)]
 WAIT_S = 60.0  # the longest a step's end waits for the next batch's generation to start
 
 
@@ -55,22 +57,25 @@ class HalfReward:
 
 
 class StepRecord(TrainerCallback):
-    """At each step's end: the step's rollout stats and the prompts TRL asked for; where the next step's batch was
-    read ahead, waits (at most WAIT_S) until its generation has started: it can only start during this update."""
+    """Each step's rollout stats at its end; before its optimizer step (the update under way), where the next step's
+    batch was read ahead, waits (at most WAIT_S) until that batch's first rollout has started, and records whether
+    it had: it can only have started during this update."""
 
-    def __init__(self, agent: RecordingAgent, rollouts: AgentRollouts, asked: list[list[str]]) -> None:
-        self.agent, self.rollouts, self.asked = agent, rollouts, asked
+    def __init__(self, agent: RecordingAgent, rollouts: AgentRollouts) -> None:
+        self.agent, self.rollouts = agent, rollouts
         self.steps: list[dict[str, float]] = []
-        self.started_during_update: list[bool] = []
+        self.started_during_update: dict[int, bool] = {}
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.rollouts._inflight is None:
+            return
+        step = state.global_step + 1  # the step under way
+        with self.agent.lock:
+            began = self.agent.lock.wait_for(lambda: len(self.agent.started) > step * BATCH, WAIT_S)
+        self.started_during_update[step] = began
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.steps.append(dict(self.rollouts.last_stats))
-        if self.rollouts._inflight is None:
-            return
-        with self.agent.lock:
-            began = self.agent.lock.wait_for(lambda: len(self.agent.started) > state.global_step * BATCH, WAIT_S)
-        assert began, f"step {state.global_step}'s end waited {WAIT_S} s for the next batch's rollouts to start"
-        self.started_during_update.append(began)
 
 
 def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts, list[list[str]], RecordingAgent]:
@@ -89,8 +94,8 @@ def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts
         asked.append([p for p in prompts])
         return rollouts(prompts, trainer)
 
-    algo = GRPO(group_size=GROUP, tasks_per_step=TASKS_PER_STEP, micro_batch_size=BATCH, epochs=2, save_every=100)
-    record = StepRecord(agent, rollouts, asked)
+    algo = GRPO(group_size=GROUP, tasks_per_step=TASKS_PER_STEP, micro_batch_size=2, epochs=2, save_every=100)
+    record = StepRecord(agent, rollouts)
     trainer = AgentGRPOTrainer(
         model=model,
         reward_funcs=[_passthrough_reward("half")],
@@ -103,7 +108,7 @@ def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts
         lookahead=asynchronous,
     )
     trainer.train()
-    assert trainer.state.global_step == 4
+    assert trainer.state.global_step == 6
     return record, rollouts, asked, agent
 
 
@@ -113,12 +118,13 @@ def tasks_of(prompts: list[str]) -> list[str]:
 
 def test_the_next_batch_generates_during_the_update_one_step_off_policy(tmp_path: Path) -> None:
     record, rollouts, asked, agent = train(tmp_path, asynchronous=True)
-    # each epoch's first step generates on-policy (nothing read ahead across an epoch's end); the second was
-    # generated during the first's update, by the weights before it
-    assert [s["rollout/prefetched"] for s in record.steps] == [0.0, 1.0, 0.0, 1.0]
-    assert [s["rollout/staleness"] for s in record.steps] == [0.0, 1.0, 0.0, 1.0]
-    assert [s["rollout/weights_step"] for s in record.steps] == [0.0, 0.0, 2.0, 2.0]
-    assert record.started_during_update == [True, True]  # steps 1 and 3 ended after the next batch had started
+    # each epoch's first step generates on-policy (nothing is read ahead across an epoch's end); every later one was
+    # generated during the previous step's update, by the weights before that update
+    assert [s["rollout/prefetched"] for s in record.steps] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert [s["rollout/staleness"] for s in record.steps] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert [s["rollout/weights_step"] for s in record.steps] == [0.0, 0.0, 1.0, 3.0, 3.0, 4.0]
+    # before the optimizer step of each step that read ahead, the next batch's rollouts had started
+    assert record.started_during_update == {1: True, 2: True, 4: True, 5: True}
     # exact bookkeeping: the agents ran each step's prompts as TRL asked for them, in that order, each rollout once
     assert agent.started == [t for prompts in asked for t in tasks_of(prompts)]
     assert rollouts.missed == 0 and rollouts.close() == 0  # nothing read ahead in vain, nothing left in flight
@@ -128,8 +134,8 @@ def test_the_next_batch_generates_during_the_update_one_step_off_policy(tmp_path
 
 def test_synchronous_rollouts_generate_each_step_s_batch_in_its_own_step(tmp_path: Path) -> None:
     record, _, asked, agent = train(tmp_path, asynchronous=False)
-    assert [s.get("rollout/staleness") for s in record.steps] == [None] * 4  # on-policy: nothing to say
-    assert record.started_during_update == []
+    assert [s.get("rollout/staleness") for s in record.steps] == [None] * 6  # on-policy: nothing to say
+    assert record.started_during_update == {}
     assert agent.started == [t for prompts in asked for t in tasks_of(prompts)]
 
 

@@ -65,6 +65,19 @@ def test_7b_full_on_two_80gb_gpus_fits_only_with_its_optimizer_state_offloaded()
     )
 
 
+def test_async_rollouts_count_the_engine_awake_and_the_weights_copy_in_the_update() -> None:
+    """algorithm.async_rollouts: the engine generates during the update; a static engine from its own bf16 copy."""
+    import dataclasses
+
+    shape = Shape.of(QWEN25_7B)
+    one = Setting(True, 1, False, "none", True, 3072, "static", 0.5, True)
+    on_policy = plan_memory(shape, one, 141.0)["phases"]["update"]["parts_gb"]["engine asleep"]
+    overlapped = plan_memory(shape, dataclasses.replace(one, snapshot=True), 141.0)["phases"]["update"]["parts_gb"]
+    assert on_policy == 0 and overlapped["engine asleep"] == pytest.approx(15.2, 0.01)  # 2 bytes x 7.6B parameters
+    vllm = dataclasses.replace(one, engine="vllm", engine_sleeps=False, snapshot=True)
+    assert plan_memory(shape, vllm, 141.0)["phases"]["update"]["parts_gb"]["engine asleep"] == pytest.approx(70.5)
+
+
 def test_lora_keeps_the_base_in_bf16_and_trains_only_the_adapter() -> None:
     shape = Shape.of(QWEN25_7B, lora_rank=32, lora_targets=["q_proj", "v_proj"])
     one = Setting(False, 1, False, "none", True, 4 * 3072, "vllm", 0.5, True)
@@ -193,6 +206,7 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
             1,
             r"algorithm.async_rollouts: the engine generates during the update.*backend.offload=optimizer",
         ),
+        (["algorithm.async_rollouts=true", "algorithm.is_correction=none"], 1, r"async_rollouts trains one step off"),
     ],
 )
 def test_an_offload_that_cannot_apply_stops_the_run_instead_of_being_ignored(

@@ -123,6 +123,7 @@ class TRLBackend:
             engine=resolve_engine(self.generation_engine, "cuda"),
             engine_share=self.vllm_gpu_memory_utilization,
             engine_sleeps=self.vllm_sleep and not algo.async_rollouts,  # async: awake during the update
+            snapshot=algo.async_rollouts,
             weight_bytes=model.compute_dtype("cuda").itemsize,
         )
         plan = plan_memory(shape, setting, capacity_gb)
@@ -134,9 +135,13 @@ class TRLBackend:
     def check(self, ranks: int, algo: GRPO) -> None:
         """What needs a GPU or several ranks, or rules out another setting, before anything starts (offload is never
         silently ignored)."""
-        if algo.async_rollouts and self.offload != "none" and not isinstance(algo, SFTControl):
+        overlap = algo.async_rollouts and not isinstance(algo, SFTControl)
+        if overlap and self.offload != "none":
             raise ConfigError(f"algorithm.async_rollouts: the engine generates during the update, so the trainer's "
-                              f"state cannot leave the GPU (backend.offload={self.offload}; set none)")  # fmt: skip
+                              f"state stays on the GPU (backend.offload={self.offload}: set none)")  # fmt: skip
+        if overlap and algo.is_correction == "none":
+            raise ConfigError("algorithm.async_rollouts trains one step off-policy: it needs the importance-sampling "
+                              "correction (algorithm.is_correction, e.g. token_truncate)")  # fmt: skip
         if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
             raise ConfigError(f"backend.offload=all: FSDP2 offloads, so it needs several ranks "
                               f"(resources.gpus_per_node > 1) and backend.sharding=fsdp2 (now {ranks} rank(s), "
@@ -330,8 +335,10 @@ class TRLBackend:
         with checkpoint_at_step_end():
             try:
                 trainer.train(resume_from_checkpoint=resume_from)
-            finally:  # a batch read ahead for a step that never came (a budget, a stop signal): dropped
-                discarded = rollout_func.close()
+            except BaseException:
+                rollout_func.close(wait=False)  # a background batch ends with the process (its thread is a daemon)
+                raise
+        discarded = rollout_func.close()  # a batch read ahead for a step that never came (a time or FLOPs budget)
         if (signal_name := stop_requested()) is not None:
             step = trainer.state.global_step
             raise Interrupted(
@@ -463,6 +470,7 @@ class TRLBackend:
         if self._weights is None:
             gathers = resolve_engine(self.generation_engine, device) == "vllm"  # into its own weights, as it loads
             self._weights = GenerationWeights(device, dtype, engine_gathers=gathers, snapshot=snapshot)
+        self._weights.snapshot |= snapshot  # asked for by any caller (the pool pass may come first)
         return self._weights
 
     def _server(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, setup: TrainSetup) -> PolicyServer:

@@ -35,6 +35,7 @@ from typing import Any
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from backends.memory import DeviceMemory
 from backends.trl.fsdp import OptimizerOffload
+from foundation.interrupt import stop_requested
 from foundation.ranks import world_size
 from inference.policy_server import CallRecord, PolicyServer
 from inference.weights import GenerationWeights
@@ -202,6 +203,7 @@ class AgentRollouts:
         start = time.perf_counter()
         step = trainer.state.global_step  # optimizer steps applied to the trainer's weights so far
         if self.memory is not None:
+            self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
         generated, weight_sync_s = self._take(prompts), 0.0
         # a load is a collective when the model is sharded: every rank loads when any rank generates here
@@ -210,7 +212,9 @@ class AgentRollouts:
             weight_sync_s = self._load(trainer)
         if generated is None:
             generated = self._generate(prompts, step)
-        upcoming = trainer.upcoming_prompts() if step + 1 < trainer.state.max_steps else None  # alike on every rank
+        # alike on every rank: the step count, the data, and a stop signal (its step is the last: nothing to read ahead)
+        last = step + 1 >= trainer.state.max_steps or _on_any_rank(stop_requested() is not None)
+        upcoming = None if last else trainer.upcoming_prompts()
         if upcoming is not None:
             if not loaded:  # else the weights were just loaded, for this step's own rollouts
                 weight_sync_s = self._load(trainer)
@@ -227,7 +231,7 @@ class AgentRollouts:
                 "timing_s/rollout_generation": generated.wall_s,  # the batch's own time, overlapped or not
                 "timing_s/weight_sync": weight_sync_s,
                 "rollout/prefetched": float(generated.prefetched),
-                "rollout/prefetch_missed": float(self.missed),  # read ahead but not asked for: generated again
+                "rollout/prefetch_missed": float(self.missed),  # so far: read ahead but not asked for, generated again
                 "rollout/weights_step": float(generated.weights_step),  # the weights that sampled this batch
                 "rollout/staleness": float(step - generated.weights_step),  # optimizer steps since then
             },
@@ -281,14 +285,16 @@ class AgentRollouts:
             return None
         return generated
 
-    def close(self) -> int:
-        """Wait for and drop the batch in flight (training stopped before its step); 1 when there was one."""
+    def close(self, wait: bool = True) -> int:
+        """Drop the batch in flight (training stopped before its step), once it is done (`wait`; else it is left to
+        end with the process: a failing run); 1 when there was one."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return 0
-        with contextlib.suppress(Exception):
-            inflight.wait()
-        self.server.engine.sleep()
+        if wait:
+            with contextlib.suppress(Exception):
+                inflight.wait()
+            self.server.engine.sleep()
         return 1
 
     def _batch(self, generated: Generated, timings: dict[str, float]) -> dict[str, Any]:

@@ -82,6 +82,10 @@ class AgentGRPOTrainer(GRPOTrainer):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
+        one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
+        if lookahead and (self.num_iterations != 1 or not one_generation_a_step):
+            raise ValueError("reading ahead needs one generation per optimizer step (num_iterations 1, "
+                             "steps_per_generation = gradient_accumulation_steps)")  # fmt: skip
         self._next_batches: tuple[Any, list[Any]] | None = None  # (the epoch's iterator, the next step's batches)
         self.is_correction = is_correction
         self.is_cap = is_cap
