@@ -117,26 +117,26 @@ def tasks_of(prompts: list[str]) -> list[str]:
 
 
 def test_the_next_batch_generates_during_the_update_one_step_off_policy(tmp_path: Path) -> None:
-    record, rollouts, asked, agent = train(tmp_path, asynchronous=True)
-    # each epoch's first step generates on-policy (nothing is read ahead across an epoch's end); every later one was
-    # generated during the previous step's update, by the weights before that update
-    assert [s["rollout/prefetched"] for s in record.steps] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-    assert [s["rollout/staleness"] for s in record.steps] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-    assert [s["rollout/weights_step"] for s in record.steps] == [0.0, 0.0, 1.0, 3.0, 3.0, 4.0]
-    # before the optimizer step of each step that read ahead, the next batch's rollouts had started
-    assert record.started_during_update == {1: True, 2: True, 4: True, 5: True}
+    record, rollouts, asked, agent = train(tmp_path / "async", asynchronous=True)
+    # every step after the first was generated during the previous step's update, by the weights before it, across
+    # the epoch's end too (step 4 was read ahead from the second epoch during step 3)
+    assert [s["rollout/prefetched"] for s in record.steps] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert [s["rollout/staleness"] for s in record.steps] == [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert [s["rollout/weights_step"] for s in record.steps] == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    # before the optimizer step of each step but the last, the next batch's rollouts had started
+    assert record.started_during_update == {1: True, 2: True, 3: True, 4: True, 5: True}
     # exact bookkeeping: the agents ran each step's prompts as TRL asked for them, in that order, each rollout once
     assert agent.started == [t for prompts in asked for t in tasks_of(prompts)]
     assert rollouts.missed == 0 and rollouts.close() == 0  # nothing read ahead in vain, nothing left in flight
     # the engine generated from a copy of the weights taken when it was loaded, not the ones the update writes
-    assert rollouts.weights._copy is not None and rollouts.server.model is rollouts.weights._copy
+    assert rollouts.weights is not None and rollouts.weights._copy is not None
+    assert rollouts.server.model is rollouts.weights._copy
 
-
-def test_synchronous_rollouts_generate_each_step_s_batch_in_its_own_step(tmp_path: Path) -> None:
-    record, _, asked, agent = train(tmp_path, asynchronous=False)
-    assert [s.get("rollout/staleness") for s in record.steps] == [None] * 6  # on-policy: nothing to say
-    assert record.started_during_update == {}
-    assert agent.started == [t for prompts in asked for t in tasks_of(prompts)]
+    # reading ahead changed no step's data: the synchronous run (same seed) asks for the same prompts in each step
+    on_policy, _, asked_on_policy, _ = train(tmp_path / "sync", asynchronous=False)
+    assert asked == asked_on_policy
+    assert [s.get("rollout/staleness") for s in on_policy.steps] == [None] * 6
+    assert on_policy.started_during_update == {}
 
 
 @pytest.mark.integration

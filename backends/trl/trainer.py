@@ -86,7 +86,11 @@ class AgentGRPOTrainer(GRPOTrainer):
         if lookahead and (self.num_iterations != 1 or not one_generation_a_step):
             raise ValueError("reading ahead needs one generation per optimizer step (num_iterations 1, "
                              "steps_per_generation = gradient_accumulation_steps)")  # fmt: skip
-        self._next_batches: tuple[Any, list[Any]] | None = None  # (the epoch's iterator, the next step's batches)
+        # the next step's batches, read ahead: (the Trainer's epoch iterator they are for, or None for the next epoch's
+        # iterator not created yet; the batches; the iterator read from)
+        self._next_batches: tuple[Any, list[Any], Any] | None = None
+        self._read_from: dict[Any, Any] = {}  # a Trainer's epoch iterator -> ours that stands in for it
+        self._train_dataloader: Any = None  # the Trainer's, whose next epoch's iterator is read ahead
         self.is_correction = is_correction
         self.is_cap = is_cap
         self.accept_reward = accept_reward  # set: rejection-sampling fine-tuning (`rejection_sampled`)
@@ -98,26 +102,42 @@ class AgentGRPOTrainer(GRPOTrainer):
         if shard_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # FSDP2 on gloo too (backends/trl/fsdp.py)
             self.is_fsdp_enabled = True
 
+    def get_train_dataloader(self) -> Any:
+        self._train_dataloader = super().get_train_dataloader()
+        return self._train_dataloader
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """The Trainer's batches of this optimizer step; with `lookahead`, the next step's are read now as well and
-        kept for it (the same iterator, in the same order: nothing is sampled twice or skipped)."""
+        kept for it, in the order the Trainer reads them: nothing is sampled twice or skipped. At an epoch's end the
+        next epoch's first batches come from an iterator of the Trainer's dataloader made now, which then stands in
+        for the one the Trainer makes for that epoch (that one is never read: its sampler draws the same order)."""
         if not self.lookahead:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        kept = self._next_batches
+        kept, self._next_batches = self._next_batches, None
+        if kept is not None and kept[0] is None and epoch_iterator not in self._read_from:  # the epoch read ahead
+            self._read_from = {epoch_iterator: kept[2]}
+            kept = (epoch_iterator, kept[1], kept[2])
+        source = self._read_from.get(epoch_iterator, epoch_iterator)
         if kept is not None and kept[0] is epoch_iterator:
             batches = kept[1]
-            if len(batches) not in (0, num_batches):  # GRPO's epochs are whole steps (TRL's RepeatSampler)
+            if len(batches) != num_batches:  # GRPO's epochs are whole steps (TRL's RepeatSampler)
                 raise RuntimeError(f"read {len(batches)} batches ahead for a step of {num_batches}")
-        else:  # the first step of an epoch (or of a resumed run)
-            batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        upcoming, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._next_batches = (epoch_iterator, upcoming)
+        else:  # the first step (of a run, or of an epoch that nothing read ahead)
+            batches, _ = super().get_batch_samples(source, num_batches, device)
+        if self.state.global_step + 1 < self.state.max_steps:  # a step comes after this one
+            upcoming, _ = super().get_batch_samples(source, num_batches, device)
+            if upcoming:
+                self._next_batches = (epoch_iterator, upcoming, source)
+            elif self._train_dataloader is not None:  # this epoch's last step: the next epoch's first
+                following = iter(self._train_dataloader)
+                upcoming, _ = super().get_batch_samples(following, num_batches, device)
+                self._next_batches = (None, upcoming, following) if upcoming else None
         return batches, self._get_num_items_in_batch(batches, device)
 
     def upcoming_prompts(self) -> list[Any] | None:
-        """The prompts the next optimizer step generates for (this rank's share), None where not known yet (the
-        epoch's last step; without `lookahead`). One generation a step: its first micro-batch holds them all."""
-        if self._next_batches is None or not self._next_batches[1]:
+        """The prompts the next optimizer step generates for (this rank's share), None where not read ahead (the
+        last step; without `lookahead`). One generation a step: its first micro-batch holds them all."""
+        if self._next_batches is None:
             return None
         return [example["prompt"] for example in self._next_batches[1][0]]
 
