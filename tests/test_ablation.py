@@ -19,7 +19,7 @@ from tests.conftest import ROOT, launch
 from tests.test_config import CONF, options
 from tests.test_report import out_tables, table_rows
 
-GRIDS = [o for o in options("experiment") if o.startswith("ablation_")]
+GRIDS = [o for o in options("experiment") if o.startswith("ablation-")]
 SWEPT = {
     "ablation-context": ("algorithm.max_prompt_length", ["2048", "4096"]),
     "ablation-turns": ("agent.max_turns", ["1", "3"]),
@@ -41,11 +41,11 @@ def grid_cells(preset: str) -> list[list[str]]:
 
 
 def test_every_grid_has_a_cpu_twin_and_sweeps_what_it_says() -> None:
-    assert sorted(GRIDS) == sorted([*SWEPT, *(f"{g}_tiny" for g in SWEPT)])
+    assert sorted(GRIDS) == sorted([*SWEPT, *(f"{g}-tiny" for g in SWEPT)])
     for preset, (key, values) in SWEPT.items():
         assert grid_cells(preset) == [[f"{key}={v}"] for v in values]
         tiny_key = "model.hidden_size" if key == "model" else key  # two sizes of the tiny model
-        assert [c[0].split("=")[0] for c in grid_cells(f"{preset}_tiny")] == [tiny_key, tiny_key]
+        assert [c[0].split("=")[0] for c in grid_cells(f"{preset}-tiny")] == [tiny_key, tiny_key]
 
 
 @pytest.mark.parametrize("preset", GRIDS)
