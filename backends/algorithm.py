@@ -63,6 +63,11 @@ class GRPO:
         """Sequences per optimizer step."""
         return self.tasks_per_step * self.group_size
 
+    @property
+    def overlapped(self) -> bool:
+        """The next step's rollouts generate during this step's update (`async_rollouts`, for arms with rollouts)."""
+        return self.async_rollouts
+
     def sampling(self, temperature: float) -> dict[str, float | int]:
         """What each LLM call of a rollout asks for."""
         params: dict[str, float | int] = {"temperature": temperature}
@@ -113,6 +118,10 @@ class SFTControl(GRPO):
     # ceiling); warmstart, the warm start's own (SFT continued on what it had: no data GRPO's pool lacks)
     sft_demos: str = one_of("rl", ("rl", "warmstart"))
     max_steps: int = number(1000, ge=-1)  # SFT steps, unless time_budget_s or flops_budget ends it first
+
+    @property
+    def overlapped(self) -> bool:
+        return False  # no rollouts
 
     def __post_init__(self) -> None:
         super().__post_init__()

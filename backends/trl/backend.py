@@ -40,7 +40,7 @@ from backends.setup import TrainSetup
 from backends.trl.fsdp import OFFLOADS, SHARDINGS, OptimizerOffload, fsdp_arguments
 from backends.trl.pool import filtered_pool, pool_key, sample_pool
 from backends.trl.progress import show_progress
-from backends.trl.rollouts import AgentRollouts, task_prompt, validate_policy
+from backends.trl.rollouts import AgentRollouts, on_any_rank, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised, weights_digest
 from backends.trl.trainer import AgentGRPOTrainer
 from data.splits import KIND, held_out_text_in, kind_distance
@@ -122,8 +122,8 @@ class TRLBackend:
             micro_batch_tokens=algo.per_rank(ranks)[0] * (algo.max_prompt_length + algo.max_response_length),
             engine=resolve_engine(self.generation_engine, "cuda"),
             engine_share=self.vllm_gpu_memory_utilization,
-            engine_sleeps=self.vllm_sleep and not algo.async_rollouts,  # async: awake during the update
-            snapshot=algo.async_rollouts,
+            engine_sleeps=self.vllm_sleep and not algo.overlapped,  # async: awake during the update
+            snapshot=algo.overlapped,
             weight_bytes=model.compute_dtype("cuda").itemsize,
         )
         plan = plan_memory(shape, setting, capacity_gb)
@@ -135,11 +135,10 @@ class TRLBackend:
     def check(self, ranks: int, algo: GRPO) -> None:
         """What needs a GPU or several ranks, or rules out another setting, before anything starts (offload is never
         silently ignored)."""
-        overlap = algo.async_rollouts and not isinstance(algo, SFTControl)
-        if overlap and self.offload != "none":
+        if algo.overlapped and self.offload != "none":
             raise ConfigError(f"algorithm.async_rollouts: the engine generates during the update, so the trainer's "
                               f"state stays on the GPU (backend.offload={self.offload}: set none)")  # fmt: skip
-        if overlap and algo.is_correction == "none":
+        if algo.overlapped and algo.is_correction == "none":
             raise ConfigError("algorithm.async_rollouts trains one step off-policy: it needs the importance-sampling "
                               "correction (algorithm.is_correction, e.g. token_truncate)")  # fmt: skip
         if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
@@ -195,7 +194,7 @@ class TRLBackend:
         offload = OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None
         grpo: list[AgentGRPOTrainer] = []
         # algorithm.async_rollouts: the engine generates while the trainer updates, from a copy of the weights
-        overlap = algo.async_rollouts and not isinstance(algo, SFTControl)
+        overlap = algo.overlapped
 
         def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
             """Greedy validation with the optimizer's state out of the GPU (`backend.offload=optimizer`), once the
@@ -589,11 +588,6 @@ def gpu_memory_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:
     return metrics
 
 
-def _any_rank(flag: bool) -> bool:
-    """True on every rank when `flag` is on some rank (a collective with several ranks)."""
-    return any(_per_rank(flag))
-
-
 def _per_rank(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (a collective with several ranks)."""
     return gather_object([value]) if world_size() > 1 else [value]
@@ -629,7 +623,7 @@ class _StopAtStepEnd(TrainerCallback):
     training, on every rank together (a sharded checkpoint is a collective)."""
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if _any_rank(stop_requested() is not None):
+        if on_any_rank(stop_requested() is not None):
             control.should_save = True
             control.should_training_stop = True
 

@@ -207,13 +207,13 @@ class AgentRollouts:
             self.memory.phase = "rollout"
         generated, weight_sync_s = self._take(prompts), 0.0
         # a load is a collective when the model is sharded: every rank loads when any rank generates here
-        loaded = _on_any_rank(generated is None)
+        loaded = on_any_rank(generated is None)
         if loaded:
             weight_sync_s = self._load(trainer)
         if generated is None:
             generated = self._generate(prompts, step)
         # alike on every rank: the step count, the data, and a stop signal (its step is the last: nothing to read ahead)
-        last = step + 1 >= trainer.state.max_steps or _on_any_rank(stop_requested() is not None)
+        last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
         upcoming = None if last else trainer.upcoming_prompts()
         if upcoming is not None:
             if not loaded:  # else the weights were just loaded, for this step's own rollouts
@@ -362,7 +362,7 @@ class AgentRollouts:
         return [f"r{i}" for i in range(start, start + count)]
 
 
-def _on_any_rank(flag: bool) -> bool:
+def on_any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is on some rank (a collective with several ranks)."""
     if world_size() == 1:
         return flag
