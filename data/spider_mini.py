@@ -624,7 +624,7 @@ def _sample(
 def _build_pools(
     spec: _DbSpec, db_path: Path, held: set[tuple[str, str, str]], rng: random.Random
 ) -> tuple[dict[tuple[str, str, str], list[dict[str, str]]], dict[tuple[str, str, str], list[dict[str, str]]]]:
-    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    conn = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         train_names, dev_names = _split(list(spec.names), DEV_NAME_FRACTION, rng)
         thr: dict[str, tuple[list[Any], list[Any]]] = {}

@@ -73,7 +73,8 @@ def test_gold_queries_execute(dataset: Path) -> None:
 
 
 def test_deterministic_and_idempotent(tmp_path: Path, dataset: Path) -> None:
-    other = spider_mini.generate(tmp_path / "again", seed=0, n_train=N_TRAIN, n_dev=N_DEV)
+    # spelled with a leading "//" (POSIX keeps it; an sqlite URI would read it as a host) and URI characters
+    other = spider_mini.generate(Path("/" + str(tmp_path / "a gain#1")), seed=0, n_train=N_TRAIN, n_dev=N_DEV)
     for name in ("train_spider.json", "dev.json", "tables.json"):
         assert (other / name).read_bytes() == (dataset / name).read_bytes()
     different = spider_mini.generate(tmp_path / "seed1", seed=1, n_train=N_TRAIN, n_dev=N_DEV)
