@@ -172,6 +172,7 @@ def compose(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
         "algorithm.learning_rate=1e-5",
         f"backend.device={args.device}",
         f"backend.generation_engine={args.engine}",
+        *args.override,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = hydra_compose(config_name="config", overrides=overrides)
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = train_tokenizer([m["content"] for conv in first for m in conv], 2048, template=template)
         prompt_tokens = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"]) for m in first]
         model = random_model(shape, args.device)
-        engine = backend.engine(algo.max_prompt_length + algo.max_response_length)
+        engine = backend.engine(algo.max_prompt_length + algo.max_response_length, overlapped=args.asynchronous)
         server = bench_server_class()(
             model,
             tokenizer,
@@ -360,6 +361,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async", dest="asynchronous", action="store_true", help="algorithm.async_rollouts")
+    parser.add_argument("--override", nargs="*", default=[], help="more config overrides, after the bench's own")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")
     args = parser.parse_args()
@@ -392,6 +394,8 @@ def main() -> None:
             "check_step": True,
             "prompt_budget": args.prompt_budget,
             "response_budget": args.response_budget,
+            "micro_batch": args.micro_batch,
+            "overrides": args.override,
             "call_length": f"lognormal mean {MEAN_LENGTH}, sigma {SIGMA}, cap {MAX_CALL}, seed {args.seed}",
         },
         "timed_steps": args.steps,

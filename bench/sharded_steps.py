@@ -174,19 +174,13 @@ def main() -> None:
         if tasks and not tasks.isdigit():
             parser.error(f"unknown variant {variant!r}: T in VARIANT:T is a number of tasks")
 
-    import torch
-
-    rows = [run_variant(v, args, args.work) for v in args.variants]
-    base = rows[0]
-    for row in rows:
-        if "failed" not in row and "failed" not in base:
-            row["throughput_vs_first"] = row["rollouts_per_s"] / base["rollouts_per_s"]
-        print(json.dumps(row))
     import accelerate
+    import torch
     import transformers
     import trl
 
     cuda = torch.cuda.is_available() and args.device != "cpu"
+    rows: list[dict[str, Any]] = []
     report = {
         "bench": "sharded_steps",
         "command": " ".join([sys.executable, *sys.argv]),
@@ -205,9 +199,16 @@ def main() -> None:
         "recipe": RECIPE,
         "rows": rows,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+    # written after every variant, so a bench stopped by its time limit keeps the variants it finished
+    for variant in args.variants:
+        row = run_variant(variant, args, args.work)
+        rows.append(row)
+        if "failed" not in row and "failed" not in rows[0]:
+            row["throughput_vs_first"] = row["rollouts_per_s"] / rows[0]["rollouts_per_s"]
+        print(json.dumps(row))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
