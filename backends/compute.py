@@ -7,8 +7,8 @@ With N the model's parameters (all of them, embeddings included: the tied output
 - trained: tokens through a forward and backward pass (prompt and completion of each trained sequence, or each SFT
   batch's non-padding tokens); train_factor is 6 for full fine-tuning (forward 2N, backward 4N) and 4 for LoRA (the
   frozen weights get no gradient: their 2N weight-gradient matmuls are skipped; the adapter's own are left out);
-- forward_only: tokens through a forward pass alone (GRPO's scoring of the batch's log-probs for the importance
-  correction, a reference model's for the KL penalty);
+- forward_only: tokens through a forward pass alone (a reference model's log-probs for the KL penalty; the
+  importance correction reads the loss's own forward);
 - generated: tokens the engine sampled, every rollout's (excluded ones too: they were paid for). The prompts' prefill
   is not counted (the engine caches shared prefixes, so its cost depends on the engine), nor attention's quadratic
   term (small at these lengths), nor validation.

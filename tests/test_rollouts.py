@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from datasets import Dataset
+from trl.trainer.utils import split_tensor_dict
 
 from agent.llm import OpenAIChat
 from agent.rollout import Rollout, run_rollouts
@@ -22,7 +23,13 @@ from agent.trajectory import Trajectory
 from backends.algorithm import GRPO, RFT
 from backends.trl.backend import TRLBackend, _passthrough_reward
 from backends.trl.rollouts import AgentRollouts, check_stats, task_prompt
-from backends.trl.trainer import AgentGRPOTrainer, drop_nonfinite_gradients, importance_weights
+from backends.trl.trainer import (
+    AgentGRPOTrainer,
+    by_length,
+    drop_nonfinite_gradients,
+    importance_weights,
+    trimmed,
+)
 from experiments.ranks import free_port
 from inference.policy_server import PolicyServer
 from tests.conftest import micro_tiny
@@ -139,11 +146,21 @@ def test_failed_rollouts_get_no_weight_and_do_not_shift_the_group_baseline(tiny:
     want = expected(["r0", "r1", "r3"]) | expected(["r4", "r6", "r7"])
     for row, rid in enumerate(f"r{i}" for i in range(8)):
         if rid in want:
-            model_tokens = loss_mask[row].bool()
-            # on CPU float32 the sampler's and the trainer's log-probs agree: the IS weight is 1
-            assert torch.allclose(advantages[row][model_tokens], torch.tensor(want[rid]), atol=1e-4)
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+            assert advantages[row] == pytest.approx(want[rid], abs=1e-4)
+
+    # The IS weights come from the loss's own forward, folded into the advantages per token before TRL reads them;
+    # on CPU float32 the sampler's and the trainer's log-probs agree: every weight is 1.
+    micro = trimmed(output)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.compute_loss(trainer.model, micro)
+    for row, rid in enumerate(f"r{i}" for i in range(8)):
+        model_tokens = micro["completion_mask"][row].bool() & micro["tool_mask"][row].bool()
+        expected_row = want.get(rid, 0.0)
+        assert torch.allclose(micro["advantages"][row][model_tokens], torch.tensor(expected_row), atol=1e-4)
+    assert trainer._is_stats is not None
+    metrics = trainer._is_stats.metrics()
     assert metrics["sampling/logp_diff/max"] < 1e-4 and metrics["sampling/is_ratio/clipped_frac"] == 0
+    assert trainer._is_stats.tokens == output["num_items_in_batch"]  # every model token of the kept rollouts
 
 
 def test_rejection_sampling_trains_on_the_accepted_rollouts_alone(tiny: tuple[Any, Any], tmp_path: Path) -> None:
@@ -158,18 +175,59 @@ def test_rejection_sampling_trains_on_the_accepted_rollouts_alone(tiny: tuple[An
         model_tokens = torch.tensor(rollouts.last_samples[row].env_mask + [0] * 96)[: loss_mask.size(1)].bool()
         if row in kept:
             assert torch.equal(loss_mask[row].bool(), model_tokens) and loss_mask[row].sum() > 0
-            assert torch.allclose(output["advantages"][row][model_tokens], torch.tensor(1.0), atol=1e-4)
+            assert output["advantages"][row] == 1.0
         else:
             assert loss_mask[row].sum() == 0
     assert output["num_items_in_batch"] == sum(sum(rollouts.last_samples[i].env_mask) for i in kept)
     assert trainer._metrics["train"]["rft/accepted_rate"][-1] == 4 / 8
 
 
+def test_micro_batches_of_like_lengths_train_the_gradient_of_the_plain_split(
+    tiny: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's batch ordered by completion length and each micro-batch cut to its longest row (what
+    AgentGRPOTrainer trains) gives the gradient of TRL's split at full width, to float32 rounding, over fewer
+    positions; and no forward runs over the batch before the update: the loss's own gives the IS weights."""
+    calls: list[bool] = []
+    original = AgentGRPOTrainer._get_per_token_logps_and_entropies
+
+    def counted(self: AgentGRPOTrainer, *args: Any, **kwargs: Any) -> Any:
+        calls.append(self._loss_inputs is not None)  # True: the loss's forward
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(AgentGRPOTrainer, "_get_per_token_logps_and_entropies", counted)
+    algo = GRPO(group_size=GROUP, tasks_per_step=2, micro_batch_size=2, max_prompt_length=256, max_response_length=96)
+    trainer, _, output = one_step(tiny, tmp_path, algo)
+    assert calls == []  # the rollouts are scored by the update's forward
+    accumulation = trainer.args.steps_per_generation
+    assert accumulation == 4
+    trainer.current_gradient_accumulation_steps = accumulation
+
+    def gradient(micros: list[dict[str, Any]]) -> list[torch.Tensor]:
+        trainer.model.zero_grad()
+        for micro in micros:
+            trainer.compute_loss(trainer.model, micro).backward()
+        return [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    plain = split_tensor_dict(output, accumulation)
+    ours = [trimmed(micro) for micro in split_tensor_dict(by_length(output), accumulation)]
+    lengths = [int(n) for micro in ours for n in micro["completion_mask"].sum(dim=1)]
+    assert lengths == sorted(output["completion_mask"].sum(dim=1).tolist(), reverse=True)
+    assert [m["completion_ids"].size(1) for m in ours] == [int(m["completion_mask"].sum(dim=1).max()) for m in ours]
+    assert sum(m["completion_ids"].numel() for m in ours) < sum(m["completion_ids"].numel() for m in plain)
+    expected, got = gradient(plain), gradient(ours)
+    assert len(expected) == len(got) > 0
+    for a, b in zip(expected, got, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    assert calls == [True] * 2 * accumulation  # one forward a micro-batch, the loss's
+
+
 def test_importance_weights_truncate_and_mask_at_the_cap() -> None:
     trainer = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
     sampler = torch.tensor([[-1.0, -1.0, -0.5, 0.0]])  # ratios e, 1, e^-1.5; the last token is environment
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    weights, metrics = importance_weights(trainer, sampler, mask, "token_truncate", cap=2.0)
+    weights, stats = importance_weights(trainer, sampler, mask, "token_truncate", cap=2.0)
+    metrics = stats.metrics()
     assert torch.allclose(weights, torch.tensor([[2.0, 1.0, float(torch.exp(torch.tensor(-1.5))), 0.0]]))
     assert metrics["sampling/is_ratio/clipped_frac"] == pytest.approx(1 / 3)
     assert metrics["sampling/logp_diff/max"] == pytest.approx(1.5)

@@ -277,10 +277,11 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
 
     steps = metrics_of(grpo_dir)
     assert [m["step"] for m in steps] == [0, 1] and first["grpo"]["steps"] == 1
-    # compute: 6N per trained token, 2N per scored (the IS correction's forward) and per generated token
+    # compute: 6N per trained token, 2N per generated token and per forward-only one (a reference model's: none
+    # here; the IS correction reads the loss's own forward)
     n, step = first["grpo"]["compute"]["parameters"], steps[-1]
     assert step["compute/trained_tokens"] > 0 and step["compute/generated_tokens"] > 0
-    assert step["compute/forward_only_tokens"] == step["compute/trained_tokens"]  # algorithm.is_correction is on
+    assert step["compute/forward_only_tokens"] == 0 and step["train/sampling/is_ratio/mean"] > 0
     flops = n * (6 * step["compute/trained_tokens"] + 2 * step["compute/forward_only_tokens"])
     assert step["compute/flops"] == flops + 2 * n * step["compute/generated_tokens"]
     assert steps[-1]["train/learning_rate"] == 0  # the first step of a warm-up from 0 (transformers' schedule)

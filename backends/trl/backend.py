@@ -674,7 +674,8 @@ class _StepLog(TrainerCallback):
     timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
     generation engine (gathered first when sharded; ~0 for an unsharded model and an engine that reads it);
     rollout: the agents, their tools and rewards (overlapped); reward_sum: the rewards' own time, summed; scoring:
-    the trainer's log-probs, advantages and IS weights after the rollouts; update: forward, backward and optimizer;
+    the batch's advantages (and a reference model's log-probs) after the rollouts; update: forward, backward and
+    optimizer (the IS weights from the loss's forward);
     validation: when the step validated.
     """
 
@@ -684,7 +685,7 @@ class _StepLog(TrainerCallback):
         self.validate = validate
         self.compute = compute  # every rank's tokens and FLOPs so far (`compute/*`)
         algo = setup.algorithm
-        self.forward_passes = (algo.is_correction != "none") + (algo.kl_coef > 0)  # scoring, reference
+        self.forward_passes = int(algo.kl_coef > 0)  # the reference model's (the IS weights come from the loss's own)
         self.val_metrics: dict[str, float] = {}
         self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
         self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)

@@ -3,7 +3,7 @@
 The policy server's engine samples with its own arithmetic (bf16 decode kernels, CUDA graphs, fused weights) and the
 trainer scores the same tokens with the model's forward. TRL corrects that gap only when it runs vLLM itself
 (`vllm_importance_sampling_*`); here the rollout function brings the sampler's log-probs, so this subclass applies
-the same correction after TRL has built the batch:
+the same correction:
 
     w = exp(log p_trainer - log p_sampler)  per model token (token_*), or the product over a sequence (sequence_*)
     truncate: w = min(w, cap);  mask: w = 0 where w > cap
@@ -12,6 +12,17 @@ The weight multiplies each token's policy-gradient term. It is folded into the a
 token (shape (B, T)); since w >= 0, -min(r A w, clip(r) A w) = w * -min(r A, clip(r) A): the same as TRL's own
 `per_token_loss * importance_sampling_ratio`. Logged per step: `sampling/logp_diff/{mean,max}` (|delta log p| over
 model tokens), `sampling/is_ratio/mean` (before truncation) and `sampling/is_ratio/clipped_frac`.
+
+The trainer's log-probs are the loss's own forward, detached (each batch trains once: TRL's `num_iterations` 1, one
+generation per optimizer step, so the weights that score a micro-batch are those its loss sees): the weights are
+computed there, before TRL reads the advantages, and no separate scoring pass runs over the batch. Where TRL does
+score the batch before the update (`old_per_token_logps`, several iterations), those log-probs are used.
+
+Micro-batches of like lengths: the step's batch is ordered by completion length (longest first) before TRL splits it
+into micro-batches, and each micro-batch is cut to its longest row, so its forward and backward run over its own
+rows' length, not the batch's longest. The loss is unchanged: TRL shuffles only so that a batch spread over several
+optimizer steps gives each a fair sample, and here one batch is one optimizer step; the columns cut are padding, which
+every loss type masks (dr_grpo divides by the configured length, not the tensor's).
 
 A step whose gradient norm is not finite (NaN or inf) is not applied: its gradients are dropped before the optimizer
 runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/nonfinite_grad_steps`). Applied, one
@@ -26,19 +37,51 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
 
 from backends.trl.fsdp import shard_on_cpu
 
 
+@dataclass
+class ISStats:
+    """Sums over model tokens that the step's `sampling/*` metrics come from, added up over micro-batches."""
+
+    tokens: int = 0  # model tokens whose sampler log-prob is known
+    diff_sum: float = 0.0  # sum of |log p_trainer - log p_sampler|
+    diff_max: float = 0.0
+    ratio_sum: float = 0.0  # sum of the weights before truncation
+    over: int = 0  # tokens whose weight was over the cap
+
+    def __add__(self, other: ISStats) -> ISStats:
+        return ISStats(
+            self.tokens + other.tokens,
+            self.diff_sum + other.diff_sum,
+            max(self.diff_max, other.diff_max),
+            self.ratio_sum + other.ratio_sum,
+            self.over + other.over,
+        )
+
+    def metrics(self) -> dict[str, float]:
+        n = max(1, self.tokens)
+        return {
+            "sampling/logp_diff/mean": self.diff_sum / n,
+            "sampling/logp_diff/max": self.diff_max,
+            "sampling/is_ratio/mean": self.ratio_sum / n,
+            "sampling/is_ratio/clipped_frac": self.over / n,
+        }
+
+
 def importance_weights(
     trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token weights (B, T) for `mode` (see the module docstring), and the step's metrics. A token whose sampler
-    log-prob is unknown (NaN) counts as no difference (weight 1, as TRL treats them) and is left out of the metrics."""
+) -> tuple[torch.Tensor, ISStats]:
+    """Per-token weights (B, T) for `mode` (see the module docstring), and their sums for the step's metrics. A token
+    whose sampler log-prob is unknown (NaN) counts as no difference (weight 1, as TRL treats them) and is left out of
+    the metrics. Each row's weights depend on that row alone."""
     known = mask.bool() & ~torch.isnan(sampler_logps)
     diff = torch.where(known, trainer_logps - sampler_logps, torch.zeros_like(trainer_logps))
     if mode.startswith("sequence"):
@@ -47,15 +90,50 @@ def importance_weights(
         ratio = torch.exp(diff.clamp(max=20.0))
     over = ratio > cap
     weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(over, 0.0)
-    n = max(1, int(known.sum()))
     delta = diff.abs()[known]
-    metrics = {
-        "sampling/logp_diff/mean": float(delta.sum()) / n,
-        "sampling/logp_diff/max": float(delta.max()) if delta.numel() else 0.0,
-        "sampling/is_ratio/mean": float(ratio[known].sum()) / n,
-        "sampling/is_ratio/clipped_frac": float(over[known].sum()) / n,
-    }
-    return weights * mask, metrics
+    stats = ISStats(
+        tokens=int(known.sum()),
+        diff_sum=float(delta.sum()),
+        diff_max=float(delta.max()) if delta.numel() else 0.0,
+        ratio_sum=float(ratio[known].sum()),
+        over=int(over[known].sum()),
+    )
+    return weights * mask, stats
+
+
+def by_length(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch's rows ordered by completion length, longest first (stable), every per-row value alike."""
+    lengths = batch["completion_mask"].sum(dim=1)
+    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
+    index = torch.tensor(order, dtype=torch.long)
+
+    def permute(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.ndim == 0 else value[index.to(value.device)]
+        return value if value is None else [value[i] for i in order]
+
+    return {key: permute(value) for key, value in batch.items()}
+
+
+COMPLETION_ALIGNED = ("completion_ids", "completion_mask", "tool_mask", "sampling_per_token_logps",
+                      "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")  # fmt: skip
+
+
+def trimmed(micro: dict[str, Any]) -> dict[str, Any]:
+    """The micro-batch cut to its longest row's completion: the columns after every row's last completion token go
+    (padding: masked in every loss). Advantages given per token (B, T) are cut alike."""
+    mask = micro["completion_mask"]
+    width = mask.size(1)
+    used = mask.any(dim=0).nonzero()
+    keep = int(used.max()) + 1 if used.numel() else 1
+    if keep == width:
+        return micro
+    out = dict(micro)
+    for key in (*COMPLETION_ALIGNED, "advantages"):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim == 2 and value.size(1) == width:
+            out[key] = value[:, :keep]
+    return out
 
 
 def drop_nonfinite_gradients(model: torch.nn.Module, grad_norm: float | torch.Tensor | None) -> bool:
@@ -83,8 +161,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
         one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
-        if lookahead and (self.num_iterations != 1 or not one_generation_a_step):
-            raise ValueError("reading ahead needs one generation per optimizer step (num_iterations 1, "
+        if self.num_iterations != 1 or not one_generation_a_step:  # the loss's forward scores, batches by length
+            raise ValueError("one generation per optimizer step, trained once (num_iterations 1, "
                              "steps_per_generation = gradient_accumulation_steps)")  # fmt: skip
         # the next step's batches, read ahead: (the Trainer's epoch iterator they are for, or None for the next epoch's
         # iterator not created yet; the batches; the iterator read from)
@@ -95,6 +173,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.is_cap = is_cap
         self.accept_reward = accept_reward  # set: rejection-sampling fine-tuning (`rejection_sampled`)
         self.phase_s: defaultdict[str, float] = defaultdict(float)
+        self._is_stats: ISStats | None = None  # this step's `sampling/*` sums, while its micro-batches train
+        self._loss_inputs: dict[str, Any] | None = None  # the micro-batch whose loss forward comes next
         self.nonfinite_steps = 0  # optimizer steps dropped for a gradient norm that is not finite
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -153,30 +233,56 @@ class AgentGRPOTrainer(GRPOTrainer):
         self.phase_s["update"] += time.perf_counter() - start - generated
         return loss
 
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """TRL's, with micro-batches of like lengths (module docstring): the step's batch is ordered by completion
+        length instead of shuffled before it is split, and each micro-batch is cut to its longest row."""
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        accumulation = self.args.steps_per_generation  # one generation a step: its micro-batches
+        if self._step % accumulation == 0 or self._buffered_inputs is None:
+            batch = by_length(self._generate_and_score_completions(generation_batch))
+            self._buffered_inputs = [trimmed(micro) for micro in split_tensor_dict(batch, accumulation)]
+        return self._buffered_inputs[self._step % accumulation]
+
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            return self._corrected(inputs)
+            output = super()._generate_and_score_completions(inputs)
+            if self.accept_reward is not None:
+                self.rejection_sampled(output)
+            return output
         finally:
             self.phase_s["generation"] += time.perf_counter() - start
 
-    def _corrected(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        output = super()._generate_and_score_completions(inputs)
-        if self.accept_reward is not None:
-            self.rejection_sampled(output)
-        sampler_logps = output.get("sampling_per_token_logps")
-        if self.is_correction == "none" or sampler_logps is None:
-            return output
-        mask = output["completion_mask"] * output.get("tool_mask", 1)
-        trainer_logps = output.get("old_per_token_logps")
-        if trainer_logps is None:  # TRL skips this forward when on-policy; the correction needs it
-            trainer_logps = self._trainer_logps(output)
-        weights, metrics = importance_weights(trainer_logps, sampler_logps, mask, self.is_correction, self.is_cap)
-        output["advantages"] = output["advantages"].reshape(-1, 1) * weights
-        mode = "train" if self.model.training else "eval"
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(value)
-        return output
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        corrects = self.is_correction != "none" and inputs.get("sampling_per_token_logps") is not None
+        self._loss_inputs = inputs if corrects and model.training else None
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's; in the loss's forward (the first call of `_compute_loss`), the micro-batch's importance weights
+        from these log-probs, folded into its advantages before TRL reads them."""
+        out = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        if self._loss_inputs is not None:
+            inputs, self._loss_inputs = self._loss_inputs, None
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+            weights, stats = importance_weights(
+                out[0].detach(), inputs["sampling_per_token_logps"], mask, self.is_correction, self.is_cap
+            )
+            inputs["advantages"] = inputs["advantages"].reshape(-1, 1) * weights
+            self._is_stats = stats if self._is_stats is None else self._is_stats + stats
+        return out
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The step's `sampling/*` metrics, from the sums over its micro-batches, join TRL's before it logs them."""
+        if self._is_stats is not None:
+            for key, value in self._is_stats.metrics().items():
+                self._metrics["train"][key].append(value)
+            self._is_stats = None
+        super().log(logs, start_time)
 
     def rejection_sampled(self, output: dict[str, Any]) -> None:
         """RFT in place of GRPO's advantages: a kept rollout (reward >= `accept_reward`, not excluded) gets advantage
@@ -194,16 +300,3 @@ class AgentGRPOTrainer(GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather((loss_mask * output["completion_mask"]).sum()).sum()
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["rft/accepted_rate"].append(float(accepted.float().mean()))
-
-    @torch.no_grad()
-    def _trainer_logps(self, output: dict[str, Any]) -> torch.Tensor:
-        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        logps, _, _ = self._get_per_token_logps_and_entropies(
-            self.model,
-            ids,
-            attention,
-            output["completion_ids"].size(1),
-            batch_size=self.args.per_device_train_batch_size,
-        )
-        return logps
