@@ -15,8 +15,7 @@ model tokens), `sampling/is_ratio/mean` (before truncation) and `sampling/is_rat
 
 The trainer's log-probs are the loss's own forward, detached (each batch trains once: TRL's `num_iterations` 1, one
 generation per optimizer step, so the weights that score a micro-batch are those its loss sees): the weights are
-computed there, before TRL reads the advantages, and no separate scoring pass runs over the batch. Where TRL does
-score the batch before the update (`old_per_token_logps`, several iterations), those log-probs are used.
+computed there, before TRL reads the advantages, and no separate scoring pass runs over the batch.
 
 Micro-batches of like lengths: the step's batch is ordered by completion length (longest first) before TRL splits it
 into micro-batches, and each micro-batch is cut to its longest row, so its forward and backward run over its own
@@ -29,7 +28,7 @@ runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/no
 such step turns every weight into NaN, and every later rollout into garbage.
 
 It also keeps each optimizer step's phase times in `phase_s` (read and cleared by the backend's step log):
-`generation` (the whole `_generate_and_score_completions`: rollouts, then the trainer's log-probs and advantages)
+`generation` (the whole `_generate_and_score_completions`: rollouts, then the batch and its advantages)
 and `update` (forward, backward and optimizer over the step's micro-batches, generation left out).
 """
 
