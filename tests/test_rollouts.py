@@ -15,17 +15,16 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from datasets import Dataset
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from agent.llm import OpenAIChat
 from agent.rollout import Rollout, run_rollouts
 from agent.trajectory import Trajectory
-from backends.algorithm import GRPO, RFT
+from backends.algorithm import GRPO, LOSS_TYPES, RFT
 from backends.trl.backend import TRLBackend, _passthrough_reward
 from backends.trl.rollouts import AgentRollouts, check_stats, task_prompt
 from backends.trl.trainer import (
     AgentGRPOTrainer,
-    by_length,
     drop_nonfinite_gradients,
     importance_weights,
     trimmed,
@@ -182,12 +181,14 @@ def test_rejection_sampling_trains_on_the_accepted_rollouts_alone(tiny: tuple[An
     assert trainer._metrics["train"]["rft/accepted_rate"][-1] == 4 / 8
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_of_like_lengths_train_the_gradient_of_the_plain_split(
-    tiny: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loss_type: str
 ) -> None:
-    """The step's batch ordered by completion length and each micro-batch cut to its longest row (what
-    AgentGRPOTrainer trains) gives the gradient of TRL's split at full width, to float32 rounding, over fewer
-    positions; and no forward runs over the batch before the update: the loss's own gives the IS weights."""
+    """The micro-batches AgentGRPOTrainer trains (`micro_batches`: ordered by completion length where the loss type
+    allows, else shuffled as TRL does; each cut to its longest row) give the gradient of TRL's split of the same
+    order at full width, to float32 rounding, over fewer positions; and no forward runs over the batch before the
+    update: the loss's own gives the IS weights."""
     calls: list[bool] = []
     original = AgentGRPOTrainer._get_per_token_logps_and_entropies
 
@@ -196,7 +197,14 @@ def test_micro_batches_of_like_lengths_train_the_gradient_of_the_plain_split(
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(AgentGRPOTrainer, "_get_per_token_logps_and_entropies", counted)
-    algo = GRPO(group_size=GROUP, tasks_per_step=2, micro_batch_size=2, max_prompt_length=256, max_response_length=96)
+    algo = GRPO(
+        group_size=GROUP,
+        tasks_per_step=2,
+        micro_batch_size=2,
+        max_prompt_length=256,
+        max_response_length=96,
+        loss_type=loss_type,
+    )
     trainer, _, output = one_step(tiny, tmp_path, algo)
     assert calls == []  # the rollouts are scored by the update's forward
     accumulation = trainer.args.steps_per_generation
@@ -209,10 +217,15 @@ def test_micro_batches_of_like_lengths_train_the_gradient_of_the_plain_split(
             trainer.compute_loss(trainer.model, micro).backward()
         return [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
 
-    plain = split_tensor_dict(output, accumulation)
-    ours = [trimmed(micro) for micro in split_tensor_dict(by_length(output), accumulation)]
+    torch.manual_seed(0)
+    ours = trainer.micro_batches(output)
+    torch.manual_seed(0)  # the shuffle bnpo keeps: the same permutation
+    plain = split_tensor_dict(output if loss_type != "bnpo" else shuffle_sequence_dict(output), accumulation)
     lengths = [int(n) for micro in ours for n in micro["completion_mask"].sum(dim=1)]
-    assert lengths == sorted(output["completion_mask"].sum(dim=1).tolist(), reverse=True)
+    if loss_type == "bnpo":  # its normalizer is per micro-batch: which rows share one matters
+        assert lengths == [int(n) for micro in plain for n in micro["completion_mask"].sum(dim=1)]
+    else:
+        assert lengths == sorted(output["completion_mask"].sum(dim=1).tolist(), reverse=True)
     assert [m["completion_ids"].size(1) for m in ours] == [int(m["completion_mask"].sum(dim=1).max()) for m in ours]
     assert sum(m["completion_ids"].numel() for m in ours) < sum(m["completion_ids"].numel() for m in plain)
     expected, got = gradient(plain), gradient(ours)

@@ -17,11 +17,14 @@ The trainer's log-probs are the loss's own forward, detached (each batch trains 
 generation per optimizer step, so the weights that score a micro-batch are those its loss sees): the weights are
 computed there, before TRL reads the advantages, and no separate scoring pass runs over the batch.
 
-Micro-batches of like lengths: the step's batch is ordered by completion length (longest first) before TRL splits it
-into micro-batches, and each micro-batch is cut to its longest row, so its forward and backward run over its own
-rows' length, not the batch's longest. The loss is unchanged: TRL shuffles only so that a batch spread over several
-optimizer steps gives each a fair sample, and here one batch is one optimizer step; the columns cut are padding, which
-every loss type masks (dr_grpo divides by the configured length, not the tensor's).
+Micro-batches of like lengths: each micro-batch is cut to its longest row, so its forward and backward run over its
+own rows' length, not the batch's longest (the columns cut are padding, which every loss type masks; dr_grpo divides
+by the configured length, not the tensor's). For the loss types whose gradient does not depend on which rows share a
+micro-batch (dapo: over the batch's tokens; grpo and dr_grpo: per row, micro-batches of equal size) the step's batch
+is also ordered by completion length (longest first) instead of shuffled before it is split: TRL shuffles so that a
+batch spread over several optimizer steps gives each a fair sample, and here one batch is one optimizer step. bnpo
+divides each micro-batch by its own token count, so its batch is shuffled as TRL does. TRL's per-micro-batch means
+(`entropy`, `kl`), averaged over micro-batches, then weigh short rows more than a shuffled split would.
 
 A step whose gradient norm is not finite (NaN or inf) is not applied: its gradients are dropped before the optimizer
 runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/nonfinite_grad_steps`). Applied, one
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from backends.trl.fsdp import shard_on_cpu
 
@@ -114,6 +117,7 @@ def by_length(batch: dict[str, Any]) -> dict[str, Any]:
     return {key: permute(value) for key, value in batch.items()}
 
 
+BY_LENGTH_LOSSES = ("dapo", "grpo", "dr_grpo")  # their gradient is the same whichever rows share a micro-batch
 COMPLETION_ALIGNED = ("completion_ids", "completion_mask", "tool_mask", "sampling_per_token_logps",
                       "old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")  # fmt: skip
 
@@ -239,9 +243,16 @@ class AgentGRPOTrainer(GRPOTrainer):
             return super()._prepare_inputs(generation_batch)
         accumulation = self.args.steps_per_generation  # one generation a step: its micro-batches
         if self._step % accumulation == 0 or self._buffered_inputs is None:
-            batch = by_length(self._generate_and_score_completions(generation_batch))
-            self._buffered_inputs = [trimmed(micro) for micro in split_tensor_dict(batch, accumulation)]
+            self._buffered_inputs = self.micro_batches(self._generate_and_score_completions(generation_batch))
         return self._buffered_inputs[self._step % accumulation]
+
+    def micro_batches(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """The step's batch as its micro-batches: ordered by length where the loss type allows (else shuffled, as
+        TRL does), split, each cut to its longest row."""
+        if "pixel_values" in batch:
+            raise ValueError("images are not supported: the batch is split and cut per text row")
+        ordered = by_length(batch) if self.loss_type in BY_LENGTH_LOSSES else shuffle_sequence_dict(batch)
+        return [trimmed(micro) for micro in split_tensor_dict(ordered, self.args.steps_per_generation)]
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         start = time.perf_counter()
@@ -271,7 +282,10 @@ class AgentGRPOTrainer(GRPOTrainer):
             weights, stats = importance_weights(
                 out[0].detach(), inputs["sampling_per_token_logps"], mask, self.is_correction, self.is_cap
             )
-            inputs["advantages"] = inputs["advantages"].reshape(-1, 1) * weights
+            advantages = inputs["advantages"]
+            if advantages.shape != weights.shape:  # per sequence (B,): every token of a row alike
+                advantages = advantages.unsqueeze(1)
+            inputs["advantages"] = advantages * weights
             self._is_stats = stats if self._is_stats is None else self._is_stats + stats
         return out
 
