@@ -1,11 +1,15 @@
 """bench/sharded_steps.py's bookkeeping: which workload a variant runs, and what a row keeps of a run that failed
-after its GRPO steps (a GPU run whose final save found the disk full still has its steps' timings and memory)."""
+after its GRPO steps (a GPU run whose final save found the disk full still has its steps' timings and memory); and
+bench/agent_rollouts.py runs end to end on CPU (its GPU runs are the only other place it runs)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -48,3 +52,16 @@ def test_a_run_that_failed_before_any_step_is_only_its_failure(tmp_path: Path) -
     (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "error": "ConfigError: memory plan"}))
     expected = {"variant": "plain", "failed": "exit 1: ConfigError: memory plan"}
     assert row("plain", tmp_path, False, 1, rollouts=64) == expected
+
+
+@pytest.mark.integration
+def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    command = [sys.executable, "bench/agent_rollouts.py", "--shape", "tiny", "--device", "cpu", "--engine", "hf"]
+    command += ["--steps", "1", "--warmup", "0", "--tasks", "1", "--group", "2", "--turns", "1", "--micro-batch", "2"]
+    command += ["--response-budget", "256", "--async", "--out", str(out)]
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    result = json.loads(out.read_text())["result"]
+    assert result["asynchronous"] is True and len(result["per_step"]) == 1
+    assert result["per_step"][0]["generated_tokens"] > 0 and result["per_step"][0]["update_s"] > 0
