@@ -25,7 +25,8 @@ One engine per process (vLLM and torch.compile each own the GPU's state), one JS
     python bench/agent_rollouts.py --shape tiny --device cpu --engine hf --steps 1 --warmup 0 --tasks 2   # CPU check
 
 `--async` runs the same steps with `algorithm.async_rollouts` (the next step's batch generates during this step's
-update; `rollout s` is then what a step waited for its rollouts, tokens/s the batch's own). Side by side:
+update; `rollout s` is then what a step waited for its rollouts, tokens/s the batch's own), and one more step that is
+not timed: the last step of a run has nothing generating behind it. Side by side:
 
     for a in "" --async; do python bench/agent_rollouts.py --engine vllm --steps 4 $a --out r_vllm$a.json; done
 
@@ -147,6 +148,12 @@ def bench_server_class() -> type:
     return BenchServer
 
 
+def run_steps(args: argparse.Namespace) -> int:
+    """Steps the run trains: the warm-up and timed ones, and with --async one more, untimed: a run's last step has
+    no batch generating behind it, so timing it would time a synchronous step."""
+    return args.warmup + args.steps + int(args.asynchronous)
+
+
 def compose(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -158,7 +165,7 @@ def compose(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
         f"model={preset}",
         f"finetune={args.finetune}",
         f"paths.cache_dir={cache}",
-        f"data.generate.n_train={max(64, args.tasks * (args.warmup + args.steps))}",
+        f"data.generate.n_train={max(64, args.tasks * run_steps(args))}",
         "data.generate.n_dev=4",
         "agent=spider_sql",
         "agent.check_step=true",
@@ -168,7 +175,7 @@ def compose(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
         f"algorithm.micro_batch_size={args.micro_batch}",
         f"algorithm.max_prompt_length={args.prompt_budget}",
         f"algorithm.max_response_length={args.response_budget}",
-        f"algorithm.max_steps={args.warmup + args.steps}",
+        f"algorithm.max_steps={run_steps(args)}",
         "algorithm.learning_rate=1e-5",
         f"backend.device={args.device}",
         f"backend.generation_engine={args.engine}",
@@ -201,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         parts = compose(args, Path(tmp) / "cache")
         algo, agent, backend, finetune = parts["algorithm"], parts["agent"], parts["backend"], parts["finetune"]
-        tasks = parts["data"].train_tasks()[: args.tasks * (args.warmup + args.steps)]
+        tasks = parts["data"].train_tasks()[: args.tasks * run_steps(args)]
         first = [agent.first_messages(t) for t in tasks]
         tokenizer = train_tokenizer([m["content"] for conv in first for m in conv], 2048, template=template)
         prompt_tokens = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"]) for m in first]
@@ -288,8 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - wall
         if memory is not None:
             memory.stop()
-        timed = per_step[args.warmup :]
-        steps = timer.steps[args.warmup :]
+        timed = per_step[args.warmup : args.warmup + args.steps]
+        steps = timer.steps[args.warmup : args.warmup + args.steps]
         rollout_s = statistics.median(s["rollout_s"] for s in timed)
         generation_s = statistics.median(s["rollout_generation_s"] for s in timed)
         tokens = statistics.median(s["generated_tokens"] for s in timed)
