@@ -199,6 +199,8 @@ def main() -> None:
         "recipe": RECIPE,
         "rows": rows,
     }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     # written after every variant, so a bench stopped by its time limit keeps the variants it finished
     for variant in args.variants:
         row = run_variant(variant, args, args.work)
@@ -207,7 +209,6 @@ def main() -> None:
             row["throughput_vs_first"] = row["rollouts_per_s"] / rows[0]["rollouts_per_s"]
         print(json.dumps(row))
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(report, indent=1))
 
 

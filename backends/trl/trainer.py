@@ -237,8 +237,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         return loss
 
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        """TRL's, with micro-batches of like lengths (module docstring): the step's batch is ordered by completion
-        length instead of shuffled before it is split, and each micro-batch is cut to its longest row."""
+        """TRL's, with the step's batch split by `micro_batches` (module docstring) instead of TRL's shuffle."""
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
         accumulation = self.args.steps_per_generation  # one generation a step: its micro-batches
