@@ -89,6 +89,17 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     state = json.loads((run_dir / "checkpoints" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
 
+    # Stopped after its last step's checkpoint, before the final model: running again trains no further step
+    shutil.rmtree(run_dir / "checkpoints" / "final")
+    result = launch(args, cache_dir, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = json.loads((run_dir / "summary.json").read_text())
+    assert final["resumed_from"] == "checkpoint-3" and final["steps"] == 3 and final["attempts"] == 3
+    scores = [{k: v for k, v in s["val_final"].items() if k != "wall_s"} for s in (final, resumed)]
+    assert scores[0] == scores[1] and "val accuracy after GRPO" in result.stdout  # the same weights, validated
+    assert metrics_of(run_dir) == again and not (run_dir / "checkpoints" / "checkpoint-4").exists()
+    assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
+
 
 @pytest.mark.integration
 def test_grpo_without_a_warm_start(cache_dir: Path, tmp_path: Path) -> None:

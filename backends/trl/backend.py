@@ -270,6 +270,7 @@ class TRLBackend:
         if model is None:
             model = setup.model.load_model(str(sft_dir) if warm else source, device)
         compute = ComputeCount(model.num_parameters(), 4 if setup.finetune.peft_config() is not None else 6)
+        resumed_at = int(Path(resume_from).name.split("-")[-1]) if resume_from is not None else 0  # its step
         if resume_from is None:
             initial = validation(model, "after_sft" if warm else "initial")
             if is_main():
@@ -277,7 +278,7 @@ class TRLBackend:
                 run.log(0, initial)
         else:
             if is_main():
-                run.drop_metrics_after(int(Path(resume_from).name.split("-")[-1]))
+                run.drop_metrics_after(resumed_at)
             results["resumed_from"] = Path(resume_from).name
         results["arm"] = algo.name
         if algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart"):
@@ -338,6 +339,8 @@ class TRLBackend:
                 rollout_func.close(wait=False)  # a background batch ends with the process (its thread is a daemon)
                 raise
         discarded = rollout_func.close()  # a batch read ahead for a step that never came (a time or FLOPs budget)
+        if resume_from is not None and trainer.state.global_step == resumed_at:  # resumed after its last step
+            validation(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
         if (signal_name := stop_requested()) is not None:
             step = trainer.state.global_step
             raise Interrupted(

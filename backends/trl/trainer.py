@@ -189,6 +189,15 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._train_dataloader = super().get_train_dataloader()
         return self._train_dataloader
 
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's epoch, not begun once `max_steps` are trained: the Trainer checks `max_steps` only after a
+        step, so a run resumed from its last step's checkpoint (stopped before its final model) would train one
+        step more."""
+        if self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return
+        super()._run_epoch(*args, **kwargs)
+
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """The Trainer's batches of this optimizer step; with `lookahead`, the next step's are read now as well and
         kept for it, in the order the Trainer reads them: nothing is sampled twice or skipped. At an epoch's end the
