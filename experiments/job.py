@@ -9,6 +9,7 @@ In a sweep, a run that completed before in its directory with the same overrides
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import shlex
@@ -29,7 +30,7 @@ from experiments.config import build_group, check_job, check_run
 from experiments.ranks import write_rank_results
 from experiments.sweep import completed_run
 from foundation.interrupt import stop_signals
-from foundation.ranks import is_main, started_by_launcher
+from foundation.ranks import STACKS_SIGNAL, is_main, started_by_launcher
 from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
@@ -96,6 +97,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
     run = RunDir(hydra.runtime.output_dir)
     job: Job = get_method(cfg.job._target_)
     if started_by_launcher():  # one rank of a run of several processes: the process that started it writes the rest
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)  # where a rank that does not stop is stuck
         with stop_signals():
             results = job(cfg, run)
         if is_main():

@@ -13,7 +13,8 @@ kept under `ranks/`: torchrun's layout (`ranks/<id>/attempt_0/<rank>/`, rank 0's
 
 Stopping: SIGTERM or SIGINT to this process (Ctrl-C, `kill`, an outer `timeout`) is forwarded to torchrun or srun,
 which forward it to the ranks: each ends its step with a checkpoint and exits. Ranks that have not exited after
-`STOP_GRACE_S` are killed (a second signal kills at once), and this process returns only when none of the run's
+`STOP_GRACE_S` are killed (a second signal kills at once; shortly before, each writes its Python stacks to its
+stderr: where it is stuck), and this process returns only when none of the run's
 processes is left: the ranks, and what they started (vLLM's engine processes). torchrun runs each rank in its own
 session, so a rank whose parent died is not in any process group of ours: this process is their subreaper (Linux),
 so it still finds them. Under srun the ranks get the stop as SIGUSR1 (srun kills its tasks at once on a SIGTERM),
@@ -43,7 +44,7 @@ from omegaconf import DictConfig
 
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted
-from foundation.ranks import RANK_OF
+from foundation.ranks import RANK_OF, STACKS_SIGNAL
 from foundation.run_dir import RunDir
 
 LAUNCH = Path(__file__).resolve().parent.parent / "launch.py"
@@ -51,6 +52,7 @@ RESULTS = "ranks/results.json"
 # How long the ranks get to stop after a stop signal before they are killed: a rank ends its step and writes a
 # checkpoint first; torchrun itself kills its ranks 30 s after it forwarded the signal.
 STOP_GRACE_S = 60.0
+STACKS_BEFORE_KILL_S = 5.0  # ranks still running this long before the kill show where they are (`show_stacks`)
 # prctl(2) options (linux/prctl.h)
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
@@ -118,7 +120,7 @@ def run_ranks(
     except (Interrupted, KeyboardInterrupt) as stop:
         signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
         print(f"{signum.name}: stopping the run's ranks (up to {grace_s:.0f} s; again: kill them now)", file=sys.stderr)
-        stop_starter(starter, signum, under_srun=under_srun, grace_s=grace_s)
+        stop_starter(starter, signum, under_srun=under_srun, grace_s=grace_s, run_id=run_id)
         raise
     finally:
         with _signals_ignored():  # a further Ctrl-C must not cut the clean-up short
@@ -129,14 +131,20 @@ def run_ranks(
         _prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
-def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, grace_s: float) -> None:
+def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, grace_s: float, run_id: str) -> None:
     """Forward the stop to the ranks' starter and wait up to `grace_s` for it to exit; then (or on a second signal)
     kill: srun ends its step on two SIGINTs within a second (SIGTERM, then SIGKILL to every process of the step),
     torchrun is killed (its ranks are then ours to end, `end_run_processes`). srun gets SIGUSR1, which it forwards to
-    the ranks as it is (a SIGTERM it would turn into killing them, a single SIGINT into a status line)."""
+    the ranks as it is (a SIGTERM it would turn into killing them, a single SIGINT into a status line). Shortly
+    before the kill, ranks still running write their stacks to their stderr (`show_stacks`)."""
     starter.send_signal(signal.SIGUSR1 if under_srun else signum)
+    stacks_at = grace_s - min(STACKS_BEFORE_KILL_S, grace_s / 2)
     try:
-        starter.wait(timeout=grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            starter.wait(timeout=stacks_at)
+            return
+        show_stacks(run_id)
+        starter.wait(timeout=grace_s - stacks_at)
         return
     except (subprocess.TimeoutExpired, Interrupted, KeyboardInterrupt):
         pass
@@ -150,6 +158,23 @@ def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, gr
         if starter.poll() is None:
             starter.kill()
             starter.wait()
+
+
+def show_stacks(run_id: str) -> list[int]:
+    """Every rank of the run that this process can see (torchrun's, not srun's) writes its threads' Python stacks to
+    its stderr (`STACKS_SIGNAL`, registered by each rank in experiments/job.py): where a rank that does not stop is
+    stuck. Ranks are the run's processes that run launch.py with a `RANK`; the starter and what the ranks started
+    (an engine, which would die of the signal) are left alone. The pids."""
+    ranks = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            env = proc.environ()
+            if env.get(RANK_OF) == run_id and "RANK" in env and str(LAUNCH) in proc.cmdline():
+                proc.send_signal(STACKS_SIGNAL)
+                ranks.append(proc.pid)
+    if ranks:
+        print(f"ranks {ranks} have not stopped: their stacks are in their stderr (ranks/)", file=sys.stderr)
+    return ranks
 
 
 def end_run_processes(run_id: str, wait_s: float = 10.0, rounds: int = 5) -> list[int]:

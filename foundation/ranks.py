@@ -4,8 +4,12 @@ torchrun; each process reads its rank from torchrun's environment. A single proc
 from __future__ import annotations
 
 import os
+import signal
 
 RANK_OF = "ARL_RANK_OF"  # set in every process the launcher starts: the run directory they share
+# A rank writes every thread's Python stack to its stderr on this signal (faulthandler, even inside a C call such as a
+# collective): the launcher sends it to ranks that outlive a stop's grace period; `kill -QUIT <pid>` asks any time
+STACKS_SIGNAL = signal.SIGQUIT
 
 
 def rank() -> int:

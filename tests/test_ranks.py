@@ -145,6 +145,63 @@ def test_a_stopped_launcher_leaves_no_process_of_its_run_also_one_in_another_ses
     assert not psutil.pid_exists(starter) and not psutil.pid_exists(engine)
 
 
+# A stand-in for torchrun (deaf to SIGTERM) and its one rank, stuck where a collective would wait and deaf to SIGTERM
+# too; the rank registers the stacks signal as a rank of launch.py does. The starter writes both pids once the rank
+# is ready.
+STUCK_RANK = """
+import os, signal, subprocess, sys, time
+from experiments.ranks import LAUNCH
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+ready = sys.argv[1] + ".ready"
+rank = (
+    "import faulthandler, signal, sys, time\\n"
+    "from foundation.ranks import STACKS_SIGNAL\\n"
+    "faulthandler.register(STACKS_SIGNAL, all_threads=True)\\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n"
+    "def waiting_in_a_collective():\\n"
+    "    open(sys.argv[2], 'w').close()\\n"
+    "    time.sleep(600)\\n"
+    "waiting_in_a_collective()\\n"
+)
+err = open(sys.argv[1] + ".rank-stderr", "w")
+proc = subprocess.Popen([sys.executable, "-c", rank, str(LAUNCH), ready], env=os.environ | {"RANK": "0"}, stderr=err)
+while not os.path.exists(ready):
+    time.sleep(0.05)
+open(sys.argv[1], "w").write(f"{os.getpid()} {proc.pid}")
+time.sleep(600)
+"""
+
+
+def test_a_rank_that_does_not_stop_shows_where_it_is_stuck_before_it_is_killed(tmp_path: Path) -> None:
+    """SIGTERM to the launcher; the rank ignores it: shortly before the grace period ends, the launcher asks it for
+    its stacks (its stderr shows the function it waits in), then kills it; nothing of the run is left."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT, wait_for
+
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, STUCK_RANK, str(pids)], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: pids.is_file() and len(pids.read_text().split()) == 2, 60, "the starter and its rank")
+        starter, rank = (int(pid) for pid in pids.read_text().split())
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 3 and "interrupted by SIGTERM" in out
+    assert f"ranks [{rank}] have not stopped" in err
+    stacks = (tmp_path / "pids.rank-stderr").read_text()
+    assert "most recent call first" in stacks and "waiting_in_a_collective" in stacks
+    assert not psutil.pid_exists(starter) and not psutil.pid_exists(rank)
+
+
 @pytest.mark.integration
 def test_sigterm_to_a_two_rank_run_stops_both_ranks_at_one_step_and_leaves_no_process(
     cache_dir: Path, tmp_path: Path
