@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,41 +14,90 @@ from tests.conftest import FAST_RUN, launch
 
 
 @pytest.mark.integration
-def test_two_processes_train_one_run(cache_dir: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    args = [*FAST_RUN, "resources.gpus_per_node=2", f"hydra.run.dir={run_dir}"]
-    result = launch(args, cache_dir, tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["world_size"] == 2 and summary["steps"] == 2
-    assert summary["sharding"] == "fsdp2"  # read off the trained model: its weights were DTensor shards
-    # both ranks ran rollouts: 2 tasks x 2 rollouts a step, shared, over 2 steps
-    assert summary["rollouts_per_rank"] == [4, 4]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2]  # one line per step: rank 0 alone writes
-    assert all(m["rollout/llm_calls_mean"] >= 2 for m in metrics[1:])  # the check step ran on both ranks
-    assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
-    assert len(list(tmp_path.glob("runs/*"))) == 0  # no second run directory
-    logs = {p.parent.name: p.read_text() for p in (run_dir / "ranks").rglob("stderr.log")}
-    assert sorted(logs) == ["0", "1"]  # each rank's output kept
-    # rank 0 alone writes models: the shared cache's tiny model first (rank 1 waits, then reads it), checkpoints later
-    assert "Writing model shards" in logs["0"] and "Writing model shards" not in logs["1"]
-    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 1  # the ranks are not attempts
-    # checkpoints are sharded: each rank wrote its part of the model and of the optimizer state
-    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
-        shards = sorted(p.name for p in (run_dir / "checkpoints" / "checkpoint-2" / part).glob("*.distcp"))
-        assert shards == ["__0_0.distcp", "__1_0.distcp"]
+def test_two_ranks_train_one_run_stop_together_on_sigterm_and_resume_from_their_sharded_checkpoint(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """2 CPU ranks train one run (FSDP2, each its share of the rollouts, rank 0 alone writing). SIGTERM to launch.py
+    while they train: both end the same step with their shards of its checkpoint, the run says `interrupted`, and no
+    process of the run is left when launch.py returns. Launched again, both resume from that sharded checkpoint and
+    finish: the final model gathered from the shards loads whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
 
-    # A crash after step 1: running again resumes both ranks from the sharded checkpoint-1.
-    shutil.rmtree(run_dir / "checkpoints" / "checkpoint-2")
-    shutil.rmtree(run_dir / "checkpoints" / "final")
+    import psutil
+
+    from foundation.ranks import RANK_OF
+    from tests.conftest import ROOT, wait_for
+
+    run_dir, max_steps = tmp_path / "run", 4
+    args = [*FAST_RUN, "resources.gpus_per_node=2", f"algorithm.max_steps={max_steps}", f"hydra.run.dir={run_dir}"]
+    env = os.environ | {"ARL_CACHE_DIR": str(cache_dir), "ARL_OUTPUT_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    log = tmp_path / "launch.log"
+
+    def run_processes() -> list[int]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get(RANK_OF) == str(run_dir):
+                    found.append(proc.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    def metrics() -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "launch.py", *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for(lambda: len(metrics()) >= 2, 600, "the ranks' first GRPO step in metrics.jsonl")
+        assert len(run_processes()) >= 3  # torchrun and its two ranks
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=180)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0, log.read_text()[-3000:]
+    assert run_processes() == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted", summary
+    # both ranks ended the same step and wrote their shards of its checkpoint (model and optimizer state)
+    logs = {p.parent.name: p.read_text() for p in (run_dir / "ranks").rglob("stderr.log")}
+    stops = {m for log in logs.values() for m in re.findall(r"SIGTERM during GRPO: stopped after step (\d+)", log)}
+    assert sorted(logs) == ["0", "1"] and all("SIGTERM during GRPO" in log for log in logs.values()), stops
+    assert len(stops) == 1, stops
+    stopped = int(stops.pop())
+    assert 1 <= stopped < max_steps
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        shards = sorted(p.name for p in (run_dir / "checkpoints" / f"checkpoint-{stopped}" / part).glob("*.distcp"))
+        assert shards == ["__0_0.distcp", "__1_0.distcp"]
+    before = metrics()
+    assert [m["step"] for m in before] == list(range(stopped + 1))  # one line per step: rank 0 alone writes
+    assert all(m["rollout/llm_calls_mean"] >= 2 for m in before[1:])  # the check step ran on both ranks
+
     result = launch(args, cache_dir, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     resumed = json.loads((run_dir / "summary.json").read_text())
-    assert resumed["resumed_from"] == "checkpoint-1" and resumed["steps"] == 2 and resumed["sharding"] == "fsdp2"
-    assert resumed["rollouts_per_rank"] == [2, 2]  # step 2 alone ran again
-    again = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in again] == [0, 1, 2] and again[:2] == metrics[:2]
+    assert resumed["status"] == "completed" and resumed["world_size"] == 2 and resumed["steps"] == max_steps
+    assert resumed["resumed_from"] == f"checkpoint-{stopped}"
+    assert resumed["sharding"] == "fsdp2"  # read off the trained model: its weights were DTensor shards
+    # both ranks ran their share of the steps after the checkpoint: 2 tasks x 2 rollouts a step, shared
+    assert resumed["rollouts_per_rank"] == [2 * (max_steps - stopped)] * 2
+    after = metrics()
+    assert [m["step"] for m in after] == list(range(max_steps + 1)) and after[: stopped + 1] == before
+    assert len((run_dir / "attempts.jsonl").read_text().splitlines()) == 2  # the ranks are not attempts
+    assert len(list(tmp_path.glob("runs/*"))) == 0  # no second run directory
+    # each rank's output of both launches kept; rank 0 alone writes models (the final one; the shared cache's tiny
+    # model, rank 1 waiting, where this session had not built it yet)
+    both = {
+        rank: "".join(p.read_text() for p in (run_dir / "ranks").glob(f"*/attempt_0/{rank}/stderr.log"))
+        for rank in "01"
+    }
+    assert "Writing model shards" in both["0"] and "Writing model shards" not in both["1"]
     # the final model is whole: gathered from both ranks' shards, it loads as a plain checkpoint
     from transformers import AutoModelForCausalLM
 
@@ -200,62 +248,3 @@ def test_a_rank_that_does_not_stop_shows_where_it_is_stuck_before_it_is_killed(t
     stacks = (tmp_path / "pids.rank-stderr").read_text()
     assert "most recent call first" in stacks and "waiting_in_a_collective" in stacks
     assert not psutil.pid_exists(starter) and not psutil.pid_exists(rank)
-
-
-@pytest.mark.integration
-def test_sigterm_to_a_two_rank_run_stops_both_ranks_at_one_step_and_leaves_no_process(
-    cache_dir: Path, tmp_path: Path
-) -> None:
-    """SIGTERM to launch.py while 2 CPU ranks train: both end the same step with a checkpoint, the run says
-    `interrupted`, and no process of the run is left when launch.py returns."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    import psutil
-
-    from foundation.ranks import RANK_OF
-    from tests.conftest import ROOT, wait_for
-
-    run_dir = tmp_path / "run"
-    args = [*FAST_RUN, "resources.gpus_per_node=2", "algorithm.max_steps=50", f"hydra.run.dir={run_dir}"]
-    env = os.environ | {"ARL_CACHE_DIR": str(cache_dir), "ARL_OUTPUT_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    log = tmp_path / "launch.log"
-
-    def run_processes() -> list[int]:
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get(RANK_OF) == str(run_dir):
-                    found.append(proc.pid)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
-        return found
-
-    def steps() -> int:
-        metrics = run_dir / "metrics.jsonl"
-        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-
-    with log.open("w") as out:
-        launcher = subprocess.Popen(
-            [sys.executable, "launch.py", *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        wait_for(lambda: steps() >= 2, 600, "the ranks' first GRPO step in metrics.jsonl")
-        assert len(run_processes()) >= 3  # torchrun and its two ranks
-        launcher.send_signal(signal.SIGTERM)
-        launcher.wait(timeout=180)
-    finally:
-        launcher.kill()
-    assert launcher.returncode != 0, log.read_text()[-3000:]
-    assert run_processes() == []
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "interrupted", summary
-    # both ranks ended the same step and wrote their shards of its checkpoint
-    logs = [p.read_text() for p in sorted((run_dir / "ranks").rglob("stderr.log"))]
-    stops = {m for log in logs for m in re.findall(r"SIGTERM during GRPO: stopped after step (\d+)", log)}
-    assert len(logs) == 2 and all("SIGTERM during GRPO" in log for log in logs) and len(stops) == 1, stops
-    checkpoint = run_dir / "checkpoints" / f"checkpoint-{stops.pop()}"
-    shards = sorted(p.name for p in (checkpoint / "pytorch_model_fsdp_0").glob("*.distcp"))
-    assert shards == ["__0_0.distcp", "__1_0.distcp"]
