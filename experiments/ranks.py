@@ -143,7 +143,8 @@ def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, gr
         with contextlib.suppress(subprocess.TimeoutExpired):
             starter.wait(timeout=stacks_at)
             return
-        show_stacks(run_id)
+        if not under_srun:  # srun's ranks are not this process's descendants (and srun takes SIGQUIT as a kill)
+            show_stacks(run_id, starter.pid)
         starter.wait(timeout=grace_s - stacks_at)
         return
     except (subprocess.TimeoutExpired, Interrupted, KeyboardInterrupt):
@@ -160,16 +161,16 @@ def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, gr
             starter.wait()
 
 
-def show_stacks(run_id: str) -> list[int]:
+def show_stacks(run_id: str, starter: int) -> list[int]:
     """Every rank of the run that this process can see (torchrun's, not srun's) writes its threads' Python stacks to
     its stderr (`STACKS_SIGNAL`, registered by each rank in experiments/job.py): where a rank that does not stop is
-    stuck. Ranks are the run's processes that run launch.py with a `RANK`; the starter and what the ranks started
-    (an engine, which would die of the signal) are left alone. The pids."""
+    stuck. Ranks are the run's processes that run launch.py with a `RANK`; the `starter` (torchrun, which would shut
+    down on it) and what the ranks started (an engine, which would die of it) are left alone. The pids."""
     ranks = []
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             env = proc.environ()
-            if env.get(RANK_OF) == run_id and "RANK" in env and str(LAUNCH) in proc.cmdline():
+            if proc.pid != starter and env.get(RANK_OF) == run_id and "RANK" in env and str(LAUNCH) in proc.cmdline():
                 proc.send_signal(STACKS_SIGNAL)
                 ranks.append(proc.pid)
     if ranks:

@@ -28,9 +28,11 @@ def test_two_ranks_train_one_run_stop_together_on_sigterm_and_resume_from_their_
 
     import psutil
 
+    from experiments.ranks import LAUNCH
     from foundation.ranks import RANK_OF
     from tests.conftest import ROOT, wait_for
 
+    launch_py = str(LAUNCH)  # in the ranks' command line (torchrun's too, which has no RANK)
     run_dir, max_steps = tmp_path / "run", 4
     args = [*FAST_RUN, "resources.gpus_per_node=2", f"algorithm.max_steps={max_steps}", f"hydra.run.dir={run_dir}"]
     env = os.environ | {"ARL_CACHE_DIR": str(cache_dir), "ARL_OUTPUT_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
@@ -57,6 +59,16 @@ def test_two_ranks_train_one_run_stop_together_on_sigterm_and_resume_from_their_
     try:
         wait_for(lambda: len(metrics()) >= 2, 600, "the ranks' first GRPO step in metrics.jsonl")
         assert len(run_processes()) >= 3  # torchrun and its two ranks
+        # asked for their stacks (kill -QUIT), the ranks write them to their stderr and train on
+        ranks = [p for p in map(psutil.Process, run_processes()) if "RANK" in p.environ() and launch_py in p.cmdline()]
+        assert len(ranks) == 2, [p.cmdline() for p in ranks]
+        for proc in ranks:
+            proc.send_signal(signal.SIGQUIT)
+
+        def stacks_written() -> int:
+            return sum("most recent call first" in p.read_text() for p in (run_dir / "ranks").rglob("stderr.log"))
+
+        wait_for(lambda: stacks_written() == 2, 60, "both ranks' stacks in their stderr.log")
         launcher.send_signal(signal.SIGTERM)
         launcher.wait(timeout=180)
     finally:
@@ -193,13 +205,14 @@ def test_a_stopped_launcher_leaves_no_process_of_its_run_also_one_in_another_ses
     assert not psutil.pid_exists(starter) and not psutil.pid_exists(engine)
 
 
-# A stand-in for torchrun (deaf to SIGTERM) and its one rank, stuck where a collective would wait and deaf to SIGTERM
-# too; the rank registers the stacks signal as a rank of launch.py does. The starter writes both pids once the rank
-# is ready.
+# A stand-in for torchrun (deaf to SIGTERM, noting a SIGQUIT) and its one rank, stuck where a collective would wait
+# and deaf to SIGTERM too; the rank registers the stacks signal as a rank of launch.py does. The starter writes both
+# pids once the rank is ready.
 STUCK_RANK = """
 import os, signal, subprocess, sys, time
 from experiments.ranks import LAUNCH
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGQUIT, lambda *_: open(sys.argv[1] + ".starter-quit", "w").close())  # must not come
 ready = sys.argv[1] + ".ready"
 rank = (
     "import faulthandler, signal, sys, time\\n"
@@ -247,4 +260,5 @@ def test_a_rank_that_does_not_stop_shows_where_it_is_stuck_before_it_is_killed(t
     assert f"ranks [{rank}] have not stopped" in err
     stacks = (tmp_path / "pids.rank-stderr").read_text()
     assert "most recent call first" in stacks and "waiting_in_a_collective" in stacks
+    assert not (tmp_path / "pids.starter-quit").exists()  # torchrun would shut down on it
     assert not psutil.pid_exists(starter) and not psutil.pid_exists(rank)

@@ -339,13 +339,13 @@ class TRLBackend:
                 rollout_func.close(wait=False)  # a background batch ends with the process (its thread is a daemon)
                 raise
         discarded = rollout_func.close()  # a batch read ahead for a step that never came (a time or FLOPs budget)
-        if resume_from is not None and trainer.state.global_step == resumed_at:  # resumed after its last step
-            validation(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
         if (signal_name := stop_requested()) is not None:
             step = trainer.state.global_step
             raise Interrupted(
                 f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}", Signals[signal_name]
             )
+        if resume_from is not None and trainer.state.global_step == resumed_at:  # resumed after its last step
+            validation(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
         run.phase = "saving the final model"
         results["grpo"] = {
             "steps": trainer.state.global_step,
