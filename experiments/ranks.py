@@ -13,8 +13,8 @@ kept under `ranks/`: torchrun's layout (`ranks/<id>/attempt_0/<rank>/`, rank 0's
 
 Stopping: SIGTERM or SIGINT to this process (Ctrl-C, `kill`, an outer `timeout`) is forwarded to torchrun or srun,
 which forward it to the ranks: each ends its step with a checkpoint and exits. Ranks that have not exited after
-`STOP_GRACE_S` are killed (a second signal kills at once; shortly before, each writes its Python stacks to its
-stderr: where it is stuck), and this process returns only when none of the run's
+`STOP_GRACE_S` are killed (a second signal kills at once; shortly before, torchrun's ranks write their Python
+stacks to their stderr: where they are stuck), and this process returns only when none of the run's
 processes is left: the ranks, and what they started (vLLM's engine processes). torchrun runs each rank in its own
 session, so a rank whose parent died is not in any process group of ours: this process is their subreaper (Linux),
 so it still finds them. Under srun the ranks get the stop as SIGUSR1 (srun kills its tasks at once on a SIGTERM),
