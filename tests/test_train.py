@@ -240,20 +240,25 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
     shared = [*FAST_RUN, "warmstart.shared=true", "warmstart.seed=0", "algorithm.max_prompt_length=512"]
     grpo_dir, control_dir = tmp_path / "grpo", tmp_path / "control"
     # a budget spent by the first step: GRPO stops there (not at max_steps) and validates as at the end
-    grpo = launch(
-        [
-            *shared,
-            "seed=1",
-            "algorithm.max_steps=50",
-            "algorithm.time_budget_s=0.01",
-            "algorithm.learning_rate=1e-4",
-            "algorithm.lr_warmup_steps=4",
-            f"hydra.run.dir={grpo_dir}",
-        ],
-        cache_dir,
-        tmp_path,
-    )
+    grpo_args = [
+        *shared,
+        "seed=1",
+        "algorithm.max_steps=50",
+        "algorithm.time_budget_s=0.01",
+        "algorithm.learning_rate=1e-4",
+        "algorithm.lr_warmup_steps=4",
+        f"hydra.run.dir={grpo_dir}",
+    ]
+    grpo = launch(grpo_args, cache_dir, tmp_path)
     assert grpo.returncode == 0, grpo.stderr[-3000:]
+    first = json.loads((grpo_dir / "summary.json").read_text())
+    # stopped after the checkpoint of the step that spent its budget, before the final model: no step more
+    shutil.rmtree(grpo_dir / "checkpoints" / "final")
+    again = launch(grpo_args, cache_dir, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads((grpo_dir / "summary.json").read_text())
+    assert resumed["resumed_from"] == "checkpoint-1" and resumed["grpo"]["steps"] == 1
+    assert (grpo_dir / "checkpoints" / "final").is_dir() and not (grpo_dir / "checkpoints" / "checkpoint-2").exists()
     control = launch(
         [
             *shared,
@@ -269,7 +274,7 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
     )
     assert control.returncode == 0, control.stderr[-3000:]
 
-    first, second = (json.loads((d / "summary.json").read_text()) for d in (grpo_dir, control_dir))
+    second = json.loads((control_dir / "summary.json").read_text())
     assert (first["arm"], second["arm"]) == ("grpo", "sft_control")
     assert "wall_s" in first["sft"] and second["sft"]["reused"] is True  # built once, by the first run
     assert first["sft"]["flops"] == 6 * first["grpo"]["compute"]["parameters"] * first["sft"]["trained_tokens"] > 0

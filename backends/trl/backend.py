@@ -326,6 +326,7 @@ class TRLBackend:
         step_log.phase_s = trainer.phase_s
         grpo.append(trainer)
         step_log.nonfinite_steps = lambda: trainer.nonfinite_steps
+        trainer.budget_spent = step_log.budget_spent  # a resumed run spent before its restart trains no step
         if resume_from is not None:  # the budgets count the training before the restart
             step_log.train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)
             compute.restore(run.metrics())
@@ -714,11 +715,8 @@ class _StepLog(TrainerCallback):
         self.compute.add(trained=trained, generated=generated, forward_only=self.forward_passes * trained)
         if self.rollouts.memory is not None:  # every rank has one on GPUs (a collective)
             self.memory = gpu_memory_metrics(_per_rank(self.rollouts.memory.summary()))
-        step, algo = state.global_step, self.setup.algorithm
-        spent = (algo.time_budget_s is not None and self.train_s >= algo.time_budget_s) or self.compute.spent(
-            algo.flops_budget
-        )
-        out_of_time = _agreed(spent)
+        step = state.global_step
+        out_of_time = self.budget_spent()
         last = step == state.max_steps or out_of_time
         if step % self.setup.algorithm.val_every == 0 or last:
             start = time.perf_counter()
@@ -726,6 +724,12 @@ class _StepLog(TrainerCallback):
             self.val_metrics["timing_s/validation"] = time.perf_counter() - start
         if out_of_time:
             control.should_training_stop = True
+
+    def budget_spent(self) -> bool:
+        """Whether the time or FLOPs budget is spent, rank 0's verdict on every rank (a collective)."""
+        algo = self.setup.algorithm
+        spent = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
+        return _agreed(spent or self.compute.spent(algo.flops_budget))
 
     def _timings(self) -> dict[str, float]:
         rollout = self.stats.get("timing_s/rollout", 0.0) + self.stats.get("timing_s/weight_sync", 0.0)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,7 @@ class AgentGRPOTrainer(GRPOTrainer):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
+        self.budget_spent: Callable[[], bool] = lambda: False  # the run's time or FLOPs budget (a collective)
         one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
         if self.num_iterations != 1 or not one_generation_a_step:  # the loss's forward scores, batches by length
             raise ValueError("one generation per optimizer step, trained once (num_iterations 1, "
@@ -190,10 +192,10 @@ class AgentGRPOTrainer(GRPOTrainer):
         return self._train_dataloader
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
-        """The Trainer's epoch, not begun once `max_steps` are trained: the Trainer checks `max_steps` only after a
-        step, so a run resumed from its last step's checkpoint (stopped before its final model) would train one
-        step more."""
-        if self.state.global_step >= self.state.max_steps:
+        """The Trainer's epoch, not begun once `max_steps` are trained or the budget is spent: both are checked
+        only after a step, so a run resumed from its last step's checkpoint (stopped before its final model) would
+        train one step more."""
+        if self.state.global_step >= self.state.max_steps or self.budget_spent():
             self.control.should_training_stop = True
             return
         super()._run_epoch(*args, **kwargs)
