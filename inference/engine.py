@@ -58,9 +58,18 @@ class Engine(Protocol):
 
 
 @runtime_checkable
-class ContinuousEngine(Engine, Protocol):
+class ContinuousEngine(Protocol):
     """An engine that batches continuously: each request is submitted on its own the moment it is ready and joins
-    the running batch at the next step; no request waits for another to finish."""
+    the running batch at the next step; no request waits for another to finish. Its life is an `Engine`'s (`load`,
+    `sleep`, `release`); `submit` stands for `generate`."""
+
+    name: str
+
+    def load(self, model: PreTrainedModel) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def release(self) -> None: ...
 
     async def submit(
         self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float, top_p: float, eos_ids: set[int]

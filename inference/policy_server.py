@@ -154,18 +154,22 @@ class PolicyServer:
 
     def __init__(
         self,
-        model: PreTrainedModel,
+        model: PreTrainedModel | None,
         tokenizer: PreTrainedTokenizerBase,
         *,
         max_prompt_tokens: int,
         max_response_tokens: int,
         max_batch_size: int = 256,
         batch_wait_s: float = 0.02,
-        engine: Engine | None = None,
+        engine: Engine | ContinuousEngine | None = None,
         chat_format: ChatFormat | None = None,
+        eos_ids: set[int] | None = None,
     ) -> None:
-        self.model = model
+        if model is None and (eos_ids is None or not isinstance(engine, ContinuousEngine)):
+            raise ValueError("without a model the server needs an engine that holds the weights, and the eos ids")
+        self.model = model  # None: the engine holds the weights (it is never handed the model)
         self.engine = engine or HFGenerate()
+        self.eos_ids = eos_ids if eos_ids is not None else eos_ids_of(model, tokenizer)
         self.tokenizer = tokenizer
         self.chat_format = chat_format or ChatFormat(tokenizer)
         self.max_prompt_tokens = max_prompt_tokens
@@ -271,7 +275,7 @@ class PolicyServer:
                 min(wanted, budget),
                 temperature=request.temperature,
                 top_p=request.top_p,
-                eos_ids=self._eos_ids(),
+                eos_ids=self.eos_ids,
             )
             sampled = True
         else:
@@ -390,9 +394,6 @@ class PolicyServer:
         self.generate_calls += len(groups)
         return [r for r in results if r is not None]
 
-    def _eos_ids(self) -> set[int]:
-        return set(_as_list(self.model.generation_config.eos_token_id) or [self.tokenizer.eos_token_id])
-
     def _generate_group(self, items: list[_Pending], temperature: float, top_p: float) -> list[Completion]:
         return self.engine.generate(
             self.model,
@@ -400,9 +401,14 @@ class PolicyServer:
             [item.max_new_tokens for item in items],
             temperature=temperature,
             top_p=top_p,
-            eos_ids=self._eos_ids(),
+            eos_ids=self.eos_ids,
             pad_id=self.tokenizer.pad_token_id,
         )
+
+
+def eos_ids_of(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """The ids that end a reply: the model's generation config's (what vLLM stops at too), else the tokenizer's."""
+    return set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from trl.trainer.utils import selective_log_softmax
 
 from agent.llm import OpenAIChat
-from backends.trl.rollouts import Sample, flatten
+from backends.samples import Sample, flatten
 from experiments.config import build_components
 from foundation.errors import ConfigError
 from inference import HFGenerate, StaticGenerate, make_engine

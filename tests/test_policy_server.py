@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from agent.llm import OpenAIChat
-from backends.trl.rollouts import flatten
+from backends.samples import flatten
 from inference.policy_server import PolicyServer, PromptTooLong, UnsupportedRequest
 from tests.conftest import micro_tiny
 

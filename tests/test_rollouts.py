@@ -21,8 +21,9 @@ from agent.llm import OpenAIChat
 from agent.rollout import Rollout, run_rollouts
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO, LOSS_TYPES, RFT
+from backends.samples import check_stats
 from backends.trl.backend import TRLBackend, _passthrough_reward
-from backends.trl.rollouts import AgentRollouts, check_stats, task_prompt
+from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import (
     AgentGRPOTrainer,
     drop_nonfinite_gradients,

@@ -19,7 +19,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from backends.trl.rollouts import Sample, flatten
+from backends.samples import Sample, flatten
 from backends.trl.sft import trainable_demos
 from experiments.config import build_components
 from inference.engine import Completion

@@ -17,7 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from peft import LoraConfig, get_peft_model
 
-from backends.trl.rollouts import flatten
+from backends.samples import flatten
 from experiments.config import build_components
 from foundation.errors import ConfigError
 from inference import make_engine, resolve_engine

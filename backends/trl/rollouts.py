@@ -1,22 +1,13 @@
 """Agent rollouts as TRL GRPO samples: the agent runs against the policy server; its calls become one token sequence.
 
 TRL's `rollout_func` gets the step's prompts already repeated `group_size` times (one entry per rollout) and returns
-one sample per entry. A sample is the first call's prompt, then every model turn (trained, env_mask 1, with the
-sampler's log-probs) and the tokens the conversation added between turns (tool results, check and rewrite requests:
-env_mask 0) in between. Because the policy server builds each prompt token in, token out, this is by construction
-what was sampled plus environment tokens. This differs from agent-lightning's transition-level triplets, where each
-LLM call is its own sample carrying the rollout's reward; here the whole multi-turn rollout is one sample, as in TRL's
-own tool loop.
+one sample per entry (`backends/samples.py`: the rollout's calls as one token sequence, env_mask 0 for the tokens the
+conversation added between turns).
 
 Fail closed: a rollout that cannot be trained on exactly is excluded, and counted per reason in
-`rollout/excluded_<reason>_rate`:
-- `agent_error`: the agent raised, or a model call failed (e.g. its first prompt was too long);
-- `reward_error`: the reward raised, timed out or returned None (missing);
-- `inexact`: a call's messages did not extend the conversation (the agent rewrote or dropped a message, or changed
-  `tools`);
-- `overflow`: the rollout went on after its response budget was spent (a call got an empty reply it never sampled).
-An excluded rollout's sample is one masked token with reward None: TRL leaves it out of its group's baseline, gives
-it advantage 0, and its loss mask is all zeros, so it gets no gradient at all (also none from a KL term).
+`rollout/excluded_<reason>_rate`. Its sample is one masked token with reward None: TRL leaves it out of its group's
+baseline, gives it advantage 0, and its loss mask is all zeros, so it gets no gradient at all (also none from a KL
+term).
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +24,7 @@ from typing import Any
 
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from backends.memory import DeviceMemory
+from backends.samples import EXCLUSION_REASONS, Sample, check_stats, sample_of
 from backends.trl.fsdp import OptimizerOffload
 from foundation.interrupt import stop_requested
 from foundation.ranks import world_size
@@ -41,66 +32,6 @@ from inference.policy_server import CallRecord, PolicyServer
 from inference.weights import GenerationWeights
 
 log = logging.getLogger(__name__)
-
-EXCLUSION_REASONS = ("agent_error", "reward_error", "inexact", "overflow")
-
-
-@dataclass
-class Sample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    env_mask: list[int]
-    logprobs: list[float]  # the sampler's, for model tokens; 0.0 for environment tokens
-    excluded: str | None = None  # why it gets no gradient (one of EXCLUSION_REASONS), or None
-
-
-def flatten(calls: list[CallRecord], max_completion_tokens: int) -> Sample | str:
-    """One sequence from a rollout's calls, or the reason it cannot be built exactly (`inexact`, `overflow`).
-
-    Each later call's prompt must start with the sequence so far (the server marks it `continues`; checked here on
-    the ids too). A token whose sampler log-prob is unknown gets NaN: the importance weight treats it as 1."""
-    if not calls:
-        return "inexact"
-    if any(not call.sampled for call in calls):
-        return "overflow"
-    first = calls[0]
-    sequence = list(first.prompt_ids)
-    mask: list[int] = []
-    logprobs: list[float] = []
-    for i, call in enumerate(calls):
-        if i and not (call.continues and call.prompt_ids[: len(sequence)] == sequence):
-            return "inexact"
-        added = call.prompt_ids[len(sequence) :]  # empty for the first call
-        sampled = call.completion_ids
-        sampled_logprobs = call.logprobs if call.logprobs is not None else [math.nan] * len(sampled)
-        if len(sampled_logprobs) != len(sampled):
-            raise ValueError(f"the engine returned {len(sampled_logprobs)} log-probs for {len(sampled)} tokens")
-        sequence += added + sampled
-        mask += [0] * len(added) + [1] * len(sampled)
-        logprobs += [0.0] * len(added) + list(sampled_logprobs)
-    completion = sequence[len(first.prompt_ids) :]
-    if len(completion) > max_completion_tokens:  # the server's budget prevents this; never cut a sample silently
-        return "overflow"
-    return Sample(first.prompt_ids, completion, mask, logprobs)
-
-
-def excluded_sample(reason: str, pad_id: int) -> Sample:
-    """What an excluded rollout contributes: one masked token (no gradient; its reward is None)."""
-    return Sample([pad_id], [pad_id], [0], [0.0], excluded=reason)
-
-
-def check_stats(rollouts: list[Rollout]) -> dict[str, float]:
-    """How an agent's check step judged (nothing when no rollout checked): the share of verdicts that said the query
-    is correct, and of the scored rollouts that ended on such a verdict (when any did), the share whose reward is
-    below 1 (for a 0/1 reward such as exec-match: a wrong query accepted)."""
-    verdicts = [v for r in rollouts for v in r.trajectory.verdicts]
-    if not verdicts:
-        return {}
-    accepted = [r.reward for r in rollouts if r.trajectory.verdicts[-1:] == [True] and r.reward is not None]
-    stats = {"rollout/check_said_correct_rate": sum(verdicts) / len(verdicts)}
-    if accepted:  # else undefined, not 0: a check that accepts nothing is not a check that is never wrong
-        stats["rollout/check_accepted_wrong_rate"] = sum(reward < 1 for reward in accepted) / len(accepted)
-    return stats
 
 
 def task_prompt(task: dict[str, Any]) -> str:
@@ -301,7 +232,9 @@ class AgentRollouts:
         """TRL's batch from the generated rollouts (excluded ones masked) and the step's rollout stats."""
         rollouts, records = generated.rollouts, generated.records
         pad_id = self.server.tokenizer.pad_token_id
-        samples = [self._sample(r, calls, pad_id) for r, calls in zip(rollouts, records, strict=True)]
+        samples = [
+            sample_of(r, calls, self.max_completion_tokens, pad_id) for r, calls in zip(rollouts, records, strict=True)
+        ]
         n = len(rollouts)
         for rollout, sample in zip(rollouts, samples, strict=True):
             if sample.excluded is not None:  # the step goes on; the run's log says what went wrong
@@ -344,13 +277,6 @@ class AgentRollouts:
                 r.reward if s.excluded is None else None for r, s in zip(rollouts, samples, strict=True)
             ],
         }
-
-    def _sample(self, rollout: Rollout, calls: list[CallRecord], pad_id: int) -> Sample:
-        """The rollout's sample, or an excluded one: the agent's or reward's failure first, then the sequence's."""
-        if rollout.failure is not None:
-            return excluded_sample(rollout.failure, pad_id)
-        built = flatten(calls, self.max_completion_tokens)
-        return excluded_sample(built, pad_id) if isinstance(built, str) else built
 
     @property
     def rollouts_run(self) -> int:
