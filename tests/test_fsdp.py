@@ -44,7 +44,7 @@ def _batch() -> torch.Tensor:
 
 
 def _loss(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=ids).loss
+    return model(input_ids=ids, labels=ids, use_cache=False).loss  # as TRL's GRPO forward (no KV cache)
 
 
 def _rank(rank: int, port: int, out: Path, lora: bool, checkpointing: bool) -> None:
