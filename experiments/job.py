@@ -91,6 +91,16 @@ def finish_tracker(tracker: Any, summary: dict[str, Any], run: RunDir) -> None:
         run.write_summary(summary)
 
 
+def end_process_group() -> None:
+    """A rank's last collective: every rank waits for the others here, then leaves the process group, so that no
+    rank exits while a collective of its own is still queued on its device (the others would wait for it forever)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
     hydra = HydraConfig.get()  # one output directory per run, also in a sweep
@@ -102,6 +112,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             results = job(cfg, run)
         if is_main():
             write_rank_results(run, results)
+        end_process_group()
         return results
     overrides = list(hydra.overrides.task)
     if hydra.mode == RunMode.MULTIRUN and (previous := completed_run(run.path, overrides)) is not None:

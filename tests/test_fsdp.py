@@ -5,8 +5,10 @@ its plain copy with them (or hands the sharded model to an engine that gathers i
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -109,6 +111,50 @@ def test_two_sharded_ranks_step_like_one_process_and_gather_the_full_weights(
     copy = got["copy"]
     for name, tensor in expected.items():
         torch.testing.assert_close(copy[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _save_rank(rank: int, port: int, out: Path) -> None:
+    """save_final on 2 sharded ranks; rank 0's write waits (bounded) for rank 1 to leave save_final, and rank 1 notes
+    whether the model was written when it left."""
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import TrainingArguments
+
+    from backends.trl.backend import save_final
+    from backends.trl.fsdp import fsdp_arguments, shard_on_cpu
+    from tests.conftest import wait_for
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD)
+    )
+    args = TrainingArguments(output_dir=str(out / "args"), use_cpu=True, report_to=[], **fsdp_arguments(False))
+    accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
+    assert shard_on_cpu(accelerator, args.fsdp_plugin_args)
+    plain = _model(lora=False)
+    model, _ = accelerator.prepare(plain, torch.optim.SGD(plain.parameters(), lr=0.1))  # FSDP2 takes both together
+    left, final = out / "rank1_left", out / "final"
+    if rank == 0:
+        inner = accelerator.unwrap_model(model)
+        write = inner.save_pretrained
+
+        def save_after_rank1_left(*a: object, **kw: object) -> None:
+            # rank 1 cannot leave before this write returns: the wait runs out, and that is the point
+            with contextlib.suppress(TimeoutError):
+                wait_for(left.exists, timeout_s=5, what="rank 1 to leave save_final")
+            write(*a, **kw)
+
+        inner.save_pretrained = save_after_rank1_left
+    save_final(SimpleNamespace(model=model, accelerator=accelerator), final, torch.float32)
+    if rank == 1:
+        (out / "model_written_when_rank1_left").write_text(str((final / "config.json").is_file()))
+        left.touch()
+
+
+def test_every_rank_leaves_the_final_save_only_once_rank_0_has_written_the_model(tmp_path: Path) -> None:
+    """A rank that left (and exited) while its part of the gather was still queued left rank 0 waiting forever."""
+    mp.spawn(_save_rank, args=(free_port(), tmp_path), nprocs=WORLD, join=True)
+    assert (tmp_path / "model_written_when_rank1_left").read_text() == "True"
+    assert (tmp_path / "final" / "config.json").is_file()
 
 
 def test_an_unsharded_model_is_generated_from_as_it_is() -> None:

@@ -572,7 +572,9 @@ def write_splits(
 def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype) -> None:
     """The trained model as a Hugging Face checkpoint (a LoRA run: its adapter), written by rank 0. Sharded (FSDP2):
     every rank takes part in gathering the full weights to rank 0's CPU first; the fp32 master weights are written
-    in `dtype`, the model's as loaded, as an unsharded run writes them."""
+    in `dtype`, the model's as loaded, as an unsharded run writes them. Every rank returns only once rank 0 has
+    written it: a rank whose part of the gather was still queued on its GPU when it went on to exit left rank 0
+    waiting in the gather forever (seen on 2 H100s, 3 runs in 5)."""
     if not is_sharded(trainer.model):
         trainer.save_model(str(path))  # rank 0 writes
         return
@@ -580,6 +582,7 @@ def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype) -> Non
     if is_main():
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(path), state_dict=state_dict)
+    trainer.accelerator.wait_for_everyone()  # a collective after the gather's: done on every rank when it returns
 
 
 def gpu_memory_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:
