@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS := trl,analysis,wandb,dev
-# The scale backend (agent-lightning + verl) needs its own venv: its set conflicts with the trl extra's.
+EXTRAS := trl,verl,analysis,wandb,dev
+# backend=verl (agent-lightning 0.3 + verl 0.6) needs its own venv: its set conflicts with the trl extra's.
 VERL_VENV := .venv-verl
 VERL_BIN := $(VERL_VENV)/bin
 
@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 $(VERL_VENV)/.installed: pyproject.toml constraints-verl.txt
 	test -x $(VERL_BIN)/python || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_BIN)/pip install --quiet --upgrade pip
-	$(VERL_BIN)/pip install --quiet -c constraints-verl.txt -e ".[verl,dev]"
+	$(VERL_BIN)/pip install --quiet -c constraints-verl.txt -e ".[agl,dev]"
 	touch $@
 
 run: setup

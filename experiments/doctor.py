@@ -222,7 +222,7 @@ def model_rows(cfg: DictConfig, backend: str) -> list[Row]:
 def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
     """Our config validation, and for backend=verl verl's own (where verl is installed)."""
     try:
-        if backend == "verl" and importlib.util.find_spec("verl") is not None:
+        if backend == "verl" and all(importlib.util.find_spec(m) is not None for m in ("agentlightning", "verl")):
             from experiments.validate import verl_config
 
             verl_config(cfg, Path(cfg.paths.output_dir) / "doctor")

@@ -37,6 +37,7 @@ from data.splits import stratified_split
 from foundation.errors import ConfigError
 from foundation.ranks import is_main, world_size
 from foundation.schema import number
+from inference.weights import is_sharded
 from models.chat import ChatFormat, for_template
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,8 @@ class SFTWarmstart:
         show_progress(trainer, "warm start (SFT)")
         trainer.train()
         output_dir.parent.mkdir(parents=True, exist_ok=True)
+        if not is_main() and not is_sharded(trainer.model):  # replicated weights: rank 0 alone writes them
+            return trainer.model, trainer._total_train_tokens
         # Each rank saves into a directory of its own. Rank 0 writes the model there; the others only help gather a
         # sharded model's weights, but transformers lists the directory they name, and output_dir may be gone then
         # (rank 0 replacing what a dead attempt left: a FileNotFoundError on rank 1 in a two-node run).
