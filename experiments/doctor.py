@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from backends.verl.settings import NEEDS_VENV
+from backends.agl.settings import NEEDS_VENV
 from experiments.config import build_components
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir

@@ -14,8 +14,8 @@ from foundation.run_dir import RunDir
 
 def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:
     """Our groups validated and built, then verl's full trainer config generated from them and validated."""
-    from backends.verl.config import build_verl_config
-    from backends.verl.settings import VerlSettings
+    from backends.agl.config import build_verl_config
+    from backends.agl.settings import VerlSettings
 
     if cfg.backend.name != "verl":
         raise ConfigError(f"backend={cfg.backend.name}: job=validate checks backend=verl runs (add backend=verl)")

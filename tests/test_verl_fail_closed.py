@@ -26,7 +26,7 @@ class Agent:
 
 
 def rollout_async(agent: Agent, reward: Any, timeout_s: float = 5.0) -> float | None:
-    from backends.verl.agl import LLM_RESOURCE, AgentRollouts, agl
+    from backends.agl.agl import LLM_RESOURCE, AgentRollouts, agl
 
     task = {"id": "t1", "question": "How many?"}
     resources = {LLM_RESOURCE: agl.LLM(endpoint="http://127.0.0.1:9/v1", model="m")}
@@ -54,7 +54,7 @@ def test_a_failed_agent_or_reward_reports_no_reward() -> None:
 
 
 def test_the_daemon_gives_a_rollout_without_reward_no_samples() -> None:
-    from backends.verl.agl import FailClosedDaemon, agl
+    from backends.agl.agl import FailClosedDaemon, agl
 
     class Store:
         async def query_spans(self, rollout_id: str, attempt_id: str) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from agent.llm import OpenAIChat
 from agent.rollout import Agent, Reward, run_rollouts
-from backends.verl.settings import AglWiring
+from backends.agl.settings import AglWiring
 
 # LiteLLM (agent-lightning's proxy) fetches a model cost map from the internet at import and retries for seconds.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

@@ -1,6 +1,6 @@
 """backend=verl: agent-lightning's Trainer with `agl.VERL` (verl GRPO, FSDP, vLLM rollouts) and our agent.
 
-    our groups -> verl config (backends/verl/config.py, validated) -> agl.VERL
+    our groups -> verl config (backends/agl/config.py, validated) -> agl.VERL
     agl.Trainer(algorithm, n_runners, LLM proxy, adapter, tracer, store) .fit(our agent as a LitAgent, tasks)
 
 On several nodes (`resources.nodes` > 1) Ray must run across the allocation: unless RAY_ADDRESS names a cluster
@@ -17,12 +17,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from backends.agl import agl as wiring
+from backends.agl.agl import agl
+from backends.agl.config import build_verl_config, own_hydra
+from backends.agl.settings import VerlSettings
 from backends.ray_cluster import start_ray_cluster
 from backends.setup import TrainSetup
-from backends.verl import agl as wiring
-from backends.verl.agl import agl
-from backends.verl.config import build_verl_config, own_hydra
-from backends.verl.settings import VerlSettings
 from foundation.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ from collections import Counter
 from typing import Any
 
 from agent.llm import Endpoint
+from backends.agl import agl as wiring
+from backends.agl.agl import LLM_RESOURCE, agl
+from backends.agl.settings import DevSettings
 from backends.setup import TrainSetup
-from backends.verl import agl as wiring
-from backends.verl.agl import LLM_RESOURCE, agl
-from backends.verl.settings import DevSettings
 
 
 def run_dev(backend: DevSettings, setup: TrainSetup) -> dict[str, Any]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from backends.agl.settings import DevSettings, VerlSettings
 from backends.setup import TrainSetup
-from backends.verl.settings import DevSettings, VerlSettings
 
 
 @dataclass
@@ -19,7 +19,7 @@ class VerlBackend(VerlSettings):
     """agent-lightning's `Trainer(algorithm=agl.VERL(...))` (backend=verl)."""
 
     def train(self, setup: TrainSetup) -> dict[str, Any]:
-        from backends.verl.train import train_verl
+        from backends.agl.train import train_verl
 
         return train_verl(self, setup)
 
@@ -29,6 +29,6 @@ class DevBackend(DevSettings):
     """agent-lightning's `Trainer.dev` against an endpoint (backend=dev)."""
 
     def train(self, setup: TrainSetup) -> dict[str, Any]:
-        from backends.verl.dev import run_dev
+        from backends.agl.dev import run_dev
 
         return run_dev(self, setup)

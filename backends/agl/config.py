@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from backends.agl.settings import NEEDS_VENV, VerlSettings
 from backends.algorithm import GRPO, SFTControl
-from backends.verl.settings import NEEDS_VENV, VerlSettings
 from foundation.errors import ConfigError
 from models.finetune import Full, LoRA
 from models.hub import HubModel
