@@ -109,13 +109,14 @@ def torch_rows(scale: bool, gpus_per_node: int) -> list[Row]:
 def package_rows(backend: str) -> list[Row]:
     scale, verl = backend in SCALE_BACKENDS, backend == "verl"
     rows = []
-    for module in ("agentlightning", "verl"):
-        found = importlib.util.find_spec(module) is not None
-        rows.append(_row(module, scale, found, _version(module) or "not installed", NEEDS_VENV))
+    pins = verl_pins()
+    for module in ("agentlightning", "verl"):  # the main venv's verl 0.9 is not backend=verl's 0.6
+        have = _version(module) if importlib.util.find_spec(module) is not None else None
+        value = f"{have or 'not installed'} (pinned {pins[module]})"
+        rows.append(_row(module, scale, have == pins[module], value, NEEDS_VENV))
     if backend == "trl":
         trl = _version("trl")
         rows.append(_row("trl", True, trl is not None, trl or "not installed", "backend=trl runs in .venv: make setup"))
-    pins = verl_pins()
     for dist in PINNED_PACKAGES[2:]:
         have, want = _version(dist), pins[dist]
         fix = f"pip install -c constraints-verl.txt {dist}=={want} (or make setup-verl)"

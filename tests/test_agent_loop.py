@@ -36,18 +36,28 @@ from tests.test_token_exact import TEMPLATE_IDS, TEMPLATES, THOUGHT, ScriptedEng
 PROMPT_LENGTH, RESPONSE_LENGTH = 2048, 2048
 
 
+WEIGHTS_STEP = 3  # the global step of the weights the scripted servers answer with
+
+
 class ScriptedServers:
     """verl's LLM server client (`generate(request_id, prompt_ids=, sampling_params=)` -> TokenOutput), answering
-    from a ScriptedEngine; keeps every request."""
+    from a ScriptedEngine (as verl's client, tagged with the weights' step); keeps every request. The calls numbered
+    in `aborted` come back as verl's aborted requests."""
 
-    def __init__(self, engine: ScriptedEngine) -> None:
+    def __init__(self, engine: ScriptedEngine, aborted: tuple[int, ...] = ()) -> None:
         self.engine = engine
+        self.aborted = aborted
         self.requests: list[dict[str, Any]] = []
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Any:
         self.requests.append({"request_id": request_id, "prompt_ids": prompt_ids, **sampling_params})
+        tags = {"global_steps": WEIGHTS_STEP, "min_global_steps": WEIGHTS_STEP, "max_global_steps": WEIGHTS_STEP}
+        if len(self.requests) - 1 in self.aborted:
+            return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted", extra_fields=tags)
         [completion] = self.engine.generate(None, [prompt_ids], [sampling_params["max_tokens"]])
-        return TokenOutput(token_ids=completion.token_ids, log_probs=completion.logprobs, stop_reason="completed")
+        return TokenOutput(
+            token_ids=completion.token_ids, log_probs=completion.logprobs, stop_reason="completed", extra_fields=tags
+        )
 
 
 def verl_worker(tokenizer: Any, entry: dict[str, Any], servers: Any) -> verl_loop.AgentLoopWorker:
@@ -74,7 +84,7 @@ def run_in_verl(worker: Any, tasks: list[dict[str, Any]], uids: list[str], tempe
     async def go() -> list[Any]:
         outputs = []
         for i, task in enumerate(tasks):  # one at a time: the scripted replies are in order
-            row = task_row(task, "test")
+            row = task_row(task, "test", i)
             row["raw_prompt"] = row.pop("prompt")
             trajectory = {"step": 0, "sample_index": i, "rollout_n": 0, "validate": False}
             outputs.append(await worker._run_agent_loop(sampling, trajectory, trace=False, **row))
@@ -163,6 +173,7 @@ def test_a_rollout_in_verls_agent_loop_is_the_sample_backend_trl_trains(
     assert row["logprobs"] == pytest.approx(sample.logprobs, abs=1e-6)  # float32 in verl's batch
     assert row["reward"] == rollout.reward
     assert batch.non_tensor_batch["excluded"].tolist() == [""]
+    assert batch.non_tensor_batch["min_global_steps"].tolist() == [WEIGHTS_STEP]  # verl's staleness tags, as its loops
     # each call: the policy server's ids, under the rollout's one request id, with the sampler's log-probs asked for
     assert [r["prompt_ids"] for r in servers.requests] == [c.prompt_ids for c in calls]
     assert len({r["request_id"] for r in servers.requests}) == 1
@@ -211,14 +222,15 @@ def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_bas
         eos_ids=sorted(eos_ids_of(model, tokenizer)),
     )
     # group A: two rollouts that train (rewards 1, 0), one whose agent fails, one whose reward fails; group B: two
-    ids = ["r0", "agent fails", "r1", "reward fails", "r3", "r4"]
-    uids = ["A", "A", "A", "A", "B", "B"]
+    # that train and one whose first call verl aborted (the 12th call)
+    ids = ["r0", "agent fails", "r1", "reward fails", "r3", "r4", "aborted"]
+    uids = ["A", "A", "A", "A", "B", "B", "B"]
     replies = ["SELECT count(*) FROM people", "Again."] * len(ids)
-    servers = ScriptedServers(ScriptedEngine(tokenizer, replies))
+    servers = ScriptedServers(ScriptedEngine(tokenizer, replies), aborted=(11,))
     batch = run_in_verl(verl_worker(tokenizer, entry, servers), [{"id": i, "question": "How many?"} for i in ids], uids)
 
     excluded = batch.non_tensor_batch["excluded"].tolist()
-    assert excluded == ["", "agent_error", "", "reward_error", "", ""]
+    assert excluded == ["", "agent_error", "", "reward_error", "", "", "agent_error"]
     mask = batch.batch["response_mask"]
     assert [bool(mask[i].sum() > 0) for i in range(len(ids))] == [reason == "" for reason in excluded]
 
@@ -235,4 +247,4 @@ def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_bas
     # verl's own grpo would have counted the excluded rollouts' 0 in group A's mean: other advantages
     counted, _ = compute_grpo_outcome_advantage(rewards, mask, np.array(uids))
     assert not torch.allclose(counted[0], advantages[0])
-    assert json.dumps(batch.non_tensor_batch["llm_calls"].tolist()) == "[2, 1, 2, 2, 2, 2]"
+    assert json.dumps(batch.non_tensor_batch["llm_calls"].tolist()) == "[2, 1, 2, 2, 2, 2, 0]"

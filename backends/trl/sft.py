@@ -37,7 +37,6 @@ from data.splits import stratified_split
 from foundation.errors import ConfigError
 from foundation.ranks import is_main, world_size
 from foundation.schema import number
-from inference.weights import is_sharded
 from models.chat import ChatFormat, for_template
 
 logger = logging.getLogger(__name__)
@@ -203,11 +202,11 @@ class SFTWarmstart:
         show_progress(trainer, "warm start (SFT)")
         trainer.train()
         output_dir.parent.mkdir(parents=True, exist_ok=True)
-        if not is_main() and not is_sharded(trainer.model):  # replicated weights: rank 0 alone writes them
+        if not is_main() and not trainer.is_fsdp_enabled:  # replicated weights (DDP): rank 0 alone writes them
             return trainer.model, trainer._total_train_tokens
-        # Each rank saves into a directory of its own. Rank 0 writes the model there; the others only help gather a
-        # sharded model's weights, but transformers lists the directory they name, and output_dir may be gone then
-        # (rank 0 replacing what a dead attempt left: a FileNotFoundError on rank 1 in a two-node run).
+        # Each rank saves into a directory of its own. Rank 0 writes the model there; under FSDP (an accelerate
+        # setting in the environment) the others only help gather the weights, but transformers lists the directory
+        # they name, and output_dir may be gone then (rank 0 replacing what a dead attempt left).
         staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
         trainer.save_model(str(staging))
         if not is_main():

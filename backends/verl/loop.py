@@ -21,6 +21,7 @@ worker process, not per rollout.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -53,6 +54,8 @@ class VerlServerEngine:
         self.server_manager = server_manager
         self.request_id = request_id
         self.top_k = top_k  # verl's rollout.top_k (-1: off)
+        self.weight_steps: list[int] = []  # the global steps of the weights that answered each call (verl's tags)
+        self.generate_s = 0.0  # seconds the rollout waited on its calls
 
     def load(self, model: Any) -> None:
         """verl's workers load the weights into its servers."""
@@ -72,9 +75,13 @@ class VerlServerEngine:
             "top_k": self.top_k,
             "max_tokens": max_new_tokens,
             "logprobs": True,  # the sampled token's own log-prob (verl's server asks vLLM for 0 alternatives)
-            "stop_token_ids": sorted(eos_ids),
+            "stop_token_ids": sorted(i for i in eos_ids if i >= 0),
         }
+        start = time.perf_counter()
         output = await self.server_manager.generate(self.request_id, prompt_ids=prompt_ids, sampling_params=params)
+        self.generate_s += time.perf_counter() - start
+        tags = output.extra_fields
+        self.weight_steps += [s for s in (tags.get("min_global_steps"), tags.get("max_global_steps")) if s is not None]
         if output.stop_reason == "aborted":  # a request verl cut off (a weight update): its tokens are not a reply
             raise RuntimeError("verl aborted the generation")
         if output.log_probs is None or len(output.log_probs) != len(output.token_ids):
@@ -82,14 +89,14 @@ class VerlServerEngine:
         return finish(output.token_ids, max_new_tokens, eos_ids, output.log_probs)
 
 
-def task_row(task: dict[str, Any], data_source: str) -> dict[str, Any]:
-    """The dataset row verl reads for `task`: the agent builds its own prompt, so `prompt` only names the question
-    (verl's dataset wants one); the task travels whole in `extra_info`."""
+def task_row(task: dict[str, Any], data_source: str, index: int) -> dict[str, Any]:
+    """The dataset row verl reads for `task` (the `index`-th of its split): the agent builds its own prompt, so
+    `prompt` only names the question (verl's dataset wants one); the task travels whole in `extra_info`."""
     return {
         "data_source": data_source,
         "agent_name": LOOP_NAME,
         "prompt": [{"role": "user", "content": str(task.get("question", ""))}],
-        "extra_info": {"task": json.dumps(task, sort_keys=True)},
+        "extra_info": {"task": json.dumps(task, sort_keys=True), "index": index},
     }
 
 
@@ -158,10 +165,14 @@ class AgentLoop(AgentLoopBase):
         )
         calls = server.pop_records(request_id)
         sample = sample_of(rollout, calls, self.max_response_tokens, self.tokenizer.pad_token_id)
-        return loop_output(rollout, sample, llm_calls=len(calls))
+        # the weights' steps, as verl's own loops tag them (its staleness control reads them); no call: the row's
+        steps = engine.weight_steps or [row.get("global_steps")]
+        return loop_output(rollout, sample, len(calls), engine.generate_s, (min(steps), max(steps)))
 
 
-def loop_output(rollout: Rollout, sample: Sample, llm_calls: int) -> AgentLoopOutput:
+def loop_output(
+    rollout: Rollout, sample: Sample, llm_calls: int, generate_s: float, weight_steps: tuple[Any, Any]
+) -> AgentLoopOutput:
     """verl's record of one rollout: the sample's ids, mask and log-probs, and the reward (0 where excluded: verl
     needs a number, and `grpo_fail_closed` reads the zero mask, not the 0)."""
     excluded = sample.excluded is not None
@@ -172,11 +183,13 @@ def loop_output(rollout: Rollout, sample: Sample, llm_calls: int) -> AgentLoopOu
         response_logprobs=sample.logprobs,
         reward_score=0.0 if excluded else rollout.reward,
         num_turns=len(rollout.trajectory.messages),
-        metrics=AgentLoopMetrics(compute_score=rollout.reward_s or 0.0),
+        metrics=AgentLoopMetrics(generate_sequences=generate_s, compute_score=rollout.reward_s or 0.0),
         extra_fields={
             "excluded": sample.excluded or "",  # why it trains nothing ("" when it trains)
             "llm_calls": llm_calls,
             "agent_turns": rollout.trajectory.turns,
+            "min_global_steps": weight_steps[0],
+            "max_global_steps": weight_steps[1],
         },
     )
 
