@@ -1,12 +1,14 @@
-"""Wheels this project needs on the GPU machine, for benchmarks run there through the device tool.
+"""Wheels this project needs on the GPU machine, for runs there through the device tool, in parts it can carry.
 
-The GPU machine (CPython 3.12, torch 2.11, transformers 5.17, peft, accelerate; no internet) lacks the rest of the
-`trl` extra and the core (hydra, langgraph, trl, datasets, ...). This downloads, for CPython 3.12 on x86_64 Linux, the
-exact versions installed in this machine's `.venv` minus what the GPU image already has, into one tar file:
+The GPU machine (CPython 3.12, torch 2.11, transformers 5.17, peft, accelerate; no internet) lacks most of the
+project's dependencies. This downloads, for CPython 3.12 on x86_64 Linux, the exact versions installed in the
+project's venv that a stack needs (the dependency closure of the project's extras, read from the venv's metadata)
+minus what the GPU image already has, and writes them as parts of at most 60 MiB (one device call carries one) with
+an install script:
 
-    python bench/gpu_wheels.py .vc/project.tar          # ~1 min from the package index; git-ignore .vc/
-    # there:  mkdir -p /tmp/proj && tar -xf .vc/project.tar -C /tmp/pw && \
-    #         pip install -q --no-deps --no-index --target /tmp/proj /tmp/pw/*.whl
+    .venv/bin/python bench/gpu_wheels.py --stack trl .vc/trl      # ~1 min from the package index; git-ignore .vc/
+    .venv/bin/python bench/gpu_wheels.py --stack verl .vc/verl    # + verl 0.9, ray, tensordict, transformers 5.10
+    # there, once every part is in /tmp/vc:  bash /tmp/vc/install.sh /tmp/proj
     #         export PYTHONPATH=/tmp/proj:/tmp/site  # /tmp/site: vLLM's bundle (bench/README.md)
 
 /tmp/proj goes first on the path: vLLM's bundle carries openai 3, this project pins openai < 3 (vLLM accepts >= 2).
@@ -14,11 +16,16 @@ exact versions installed in this machine's `.venv` minus what the GPU image alre
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tarfile
 import tempfile
+from importlib import metadata
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # The GPU image's packages (read there on 2026-11-17), dev tools, and what no benchmark imports.
 ON_IMAGE = set(
@@ -98,43 +105,92 @@ ON_IMAGE = set(
     ]
 )
 PLATFORMS = ["manylinux_2_35_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+PROJECT = "agentic-rl"
+# Each stack: the project's extras it installs, and what it carries although the image has it (in another version).
+STACKS = {
+    "trl": ({"trl"}, set()),
+    "verl": ({"trl", "verl"}, {"transformers", "tokenizers"}),  # verl 0.9.1 needs transformers < 5.11; the image: 5.17
+}
+PART_BYTES = 60 * 2**20  # a device call carries at most 64 MiB with the working tree
 
 
-def pinned() -> list[str]:
-    """name==version for every package of .venv that the GPU image lacks."""
-    venv_python = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python"
-    freeze = subprocess.run([str(venv_python), "-m", "pip", "freeze"], capture_output=True, text=True, check=True)
-    out = []
-    for line in freeze.stdout.splitlines():
-        if "==" not in line or line.startswith(("-e", "#")):
+def closure(extras: set[str]) -> dict[str, str]:
+    """name -> installed version of every distribution the project with `extras` needs, transitively (this venv's
+    metadata; markers evaluated for this interpreter, with each requirement's extras)."""
+    found: dict[str, str] = {}
+    todo: list[tuple[str, frozenset[str]]] = [(PROJECT, frozenset(extras))]
+    done: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        name, wanted = todo.pop()
+        if (name, wanted) in done:
             continue
-        name, version = line.split("==")
-        if name.lower().replace("_", "-") not in ON_IMAGE:
-            out.append(f"{name}=={version.split('+')[0]}")
-    return out
+        done.add((name, wanted))
+        dist = metadata.distribution(name)
+        if name != PROJECT:
+            found[name] = dist.version
+        for line in dist.requires or []:
+            requirement = Requirement(line)
+            contexts = [{"extra": extra} for extra in wanted] or [{"extra": ""}]
+            if requirement.marker is None or any(requirement.marker.evaluate(c) for c in contexts):
+                todo.append((canonicalize_name(requirement.name), frozenset(requirement.extras)))
+    return found
 
 
-def main(target: Path) -> None:
+def pinned(stack: str) -> list[str]:
+    """name==version of what `stack` needs that the GPU image lacks (or has in another version)."""
+    extras, carried = STACKS[stack]
+    return [
+        f"{name}=={version.split('+')[0]}"
+        for name, version in sorted(closure(extras).items())
+        if name not in ON_IMAGE or name in carried
+    ]
+
+
+def write_parts(tar: Path, out: Path) -> list[Path]:
+    """`tar` cut into parts of PART_BYTES, and install.sh, which joins them and installs every wheel to its $1."""
+    parts = []
+    with tar.open("rb") as whole:
+        while chunk := whole.read(PART_BYTES):
+            parts.append(out / f"part{len(parts):02d}")
+            parts[-1].write_bytes(chunk)
+    script = out / "install.sh"
+    script.write_text(
+        "#!/usr/bin/env bash\n# Joins the parts beside it and installs their wheels to $1 (default /tmp/proj).\n"
+        'set -euo pipefail\nhere=$(dirname "$0"); target=${1:-/tmp/proj}; mkdir -p "$here/wheels"\n'
+        'cat "$here"/part* | tar -xf - -C "$here/wheels"\n'
+        'python3 -m pip install -q --no-deps --no-index --target "$target" "$here"/wheels/*.whl\n'
+    )
+    return parts
+
+
+def main(stack: str, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         args = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                 "--python-version", "3.12", "--implementation", "cp", "-d", tmp]  # fmt: skip
         for platform in PLATFORMS:
             args += ["--platform", platform]
         missing = []
-        for requirement in pinned():
+        for requirement in pinned(stack):
             if subprocess.run([*args, requirement], capture_output=True).returncode == 0:
                 continue
             # no wheel on the index (antlr4-python3-runtime, which omegaconf needs): build it, pure Python
             build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, requirement]
             if subprocess.run(build, capture_output=True).returncode:
                 missing.append(requirement)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(target, "w") as tar:
+        whole = Path(tmp) / "wheels.tar"
+        with tarfile.open(whole, "w") as tar:
             for wheel in sorted(Path(tmp).glob("*.whl")):
                 tar.add(wheel, arcname=wheel.name)
-        size = target.stat().st_size / 2**20
-        print(f"{target}: {len(list(Path(tmp).glob('*.whl')))} wheels, {size:.0f} MiB; not found: {missing or 'none'}")
+        parts = write_parts(whole, out)
+        size = whole.stat().st_size / 2**20
+        wheels = len(list(Path(tmp).glob("*.whl")))
+        print(f"{out}: {wheels} wheels, {size:.0f} MiB in {len(parts)} parts; not found: {missing or 'none'}")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else ".vc/project.tar"))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stack", choices=sorted(STACKS), default="trl", help="what the GPU runs import")
+    parser.add_argument("out", type=Path, help="the folder for the parts and install.sh (git-ignored, e.g. .vc/trl)")
+    args = parser.parse_args()
+    main(args.stack, args.out)

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
+import gpu_wheels
 from sharded_steps import RECIPE_TASKS, row, tasks_of
 
 
@@ -67,3 +68,25 @@ def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Pa
     assert result["asynchronous"] is True and len(result["per_step"]) == len(result["step_s"]) == 2
     assert result["median_step_s"] == result["step_s"][0]
     assert result["per_step"][0]["generated_tokens"] > 0 and result["per_step"][0]["update_s"] > 0
+
+
+def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trl stack carries the project's closure minus the GPU image (no verl, no ray); the verl stack adds verl's
+    closure and this venv's transformers, which the image has in a version verl refuses."""
+    from importlib import metadata
+
+    trl, verl = ({r.split("==")[0]: r.split("==")[1] for r in gpu_wheels.pinned(s)} for s in ("trl", "verl"))
+    assert trl["trl"] == metadata.version("trl") and "hydra-core" in trl
+    assert not {"verl", "ray", "transformers", "torch"} & trl.keys()
+    assert verl.keys() > trl.keys() and verl["verl"] == metadata.version("verl") and "ray" in verl
+    assert verl["transformers"] == metadata.version("transformers") and "torch" not in verl
+
+    whole = tmp_path / "wheels.tar"
+    whole.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
+    monkeypatch.setattr(gpu_wheels, "PART_BYTES", 4096)
+    parts = gpu_wheels.write_parts(whole, tmp_path)
+    assert [p.name for p in parts] == ["part00", "part01", "part02"]
+    assert b"".join(p.read_bytes() for p in parts) == whole.read_bytes()
+    assert 'cat "$here"/part* | tar' in (tmp_path / "install.sh").read_text()
