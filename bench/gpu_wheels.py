@@ -3,8 +3,8 @@
 The GPU machine (CPython 3.12, torch 2.11, transformers 5.17, peft, accelerate; no internet) lacks most of the
 project's dependencies. This downloads, for CPython 3.12 on x86_64 Linux, the exact versions installed in the
 project's venv that a stack needs (the dependency closure of the project's extras, read from the venv's metadata)
-minus what the GPU image already has, and writes them as parts of at most 60 MiB (one device call carries one) with
-an install script:
+minus what the GPU image already has, and writes them as parts (one device call carries one: 64 MiB with the working
+tree, which is ~22 MiB with results/) with an install script:
 
     .venv/bin/python bench/gpu_wheels.py --stack trl .vc/trl      # ~1 min from the package index; git-ignore .vc/
     .venv/bin/python bench/gpu_wheels.py --stack verl .vc/verl    # + verl 0.9, ray, tensordict, transformers 5.10
@@ -111,7 +111,7 @@ STACKS = {
     "trl": ({"trl"}, set()),
     "verl": ({"trl", "verl"}, {"transformers", "tokenizers"}),  # verl 0.9.1 needs transformers < 5.11; the image: 5.17
 }
-PART_BYTES = 60 * 2**20  # a device call carries at most 64 MiB with the working tree
+PART_MIB = 36  # a part's size by default: a device call carries at most 64 MiB with the working tree (~22 MiB)
 
 
 def closure(extras: set[str]) -> dict[str, str]:
@@ -146,11 +146,11 @@ def pinned(stack: str) -> list[str]:
     ]
 
 
-def write_parts(tar: Path, out: Path) -> list[Path]:
-    """`tar` cut into parts of PART_BYTES, and install.sh, which joins them and installs every wheel to its $1."""
+def write_parts(tar: Path, out: Path, part_bytes: int) -> list[Path]:
+    """`tar` cut into parts of `part_bytes`, and install.sh, which joins them and installs every wheel to its $1."""
     parts = []
     with tar.open("rb") as whole:
-        while chunk := whole.read(PART_BYTES):
+        while chunk := whole.read(part_bytes):
             parts.append(out / f"part{len(parts):02d}")
             parts[-1].write_bytes(chunk)
     script = out / "install.sh"
@@ -163,7 +163,7 @@ def write_parts(tar: Path, out: Path) -> list[Path]:
     return parts
 
 
-def main(stack: str, out: Path) -> None:
+def main(stack: str, out: Path, part_mib: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         args = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
@@ -182,7 +182,7 @@ def main(stack: str, out: Path) -> None:
         with tarfile.open(whole, "w") as tar:
             for wheel in sorted(Path(tmp).glob("*.whl")):
                 tar.add(wheel, arcname=wheel.name)
-        parts = write_parts(whole, out)
+        parts = write_parts(whole, out, part_mib * 2**20)
         size = whole.stat().st_size / 2**20
         wheels = len(list(Path(tmp).glob("*.whl")))
         print(f"{out}: {wheels} wheels, {size:.0f} MiB in {len(parts)} parts; not found: {missing or 'none'}")
@@ -192,5 +192,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stack", choices=sorted(STACKS), default="trl", help="what the GPU runs import")
     parser.add_argument("out", type=Path, help="the folder for the parts and install.sh (git-ignored, e.g. .vc/trl)")
+    parser.add_argument("--part-mib", type=int, default=PART_MIB, help="a part's size (MiB)")
     args = parser.parse_args()
-    main(args.stack, args.out)
+    main(args.stack, args.out, args.part_mib)

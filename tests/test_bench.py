@@ -70,9 +70,7 @@ def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Pa
     assert result["per_step"][0]["generated_tokens"] > 0 and result["per_step"][0]["update_s"] > 0
 
 
-def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole(tmp_path: Path) -> None:
     """The trl stack carries the project's closure minus the GPU image (no verl, no ray); the verl stack adds verl's
     closure and this venv's transformers, which the image has in a version verl refuses."""
     from importlib import metadata
@@ -85,8 +83,7 @@ def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole
 
     whole = tmp_path / "wheels.tar"
     whole.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
-    monkeypatch.setattr(gpu_wheels, "PART_BYTES", 4096)
-    parts = gpu_wheels.write_parts(whole, tmp_path)
+    parts = gpu_wheels.write_parts(whole, tmp_path, 4096)
     assert [p.name for p in parts] == ["part00", "part01", "part02"]
     assert b"".join(p.read_bytes() for p in parts) == whole.read_bytes()
     assert 'cat "$here"/part* | tar' in (tmp_path / "install.sh").read_text()
