@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput
 from verl.trainer.ppo.core_algos import register_adv_est
 
@@ -196,18 +198,13 @@ def loop_output(
 
 def _parts(agent: Any, reward: Any, model: Any) -> tuple[Agent, Reward, Any]:
     """The agent, reward and model spec from their composed configs, built once per process."""
-    from hydra.utils import instantiate
-
-    key = json.dumps([_plain(agent), _plain(reward), _plain(model)], sort_keys=True, default=str)
+    plain = [
+        OmegaConf.to_container(c, resolve=True) if isinstance(c, DictConfig) else c for c in (agent, reward, model)
+    ]
+    key = json.dumps(plain, sort_keys=True, default=str)
     if key not in _PARTS:
-        _PARTS[key] = tuple(instantiate(_plain(c), _convert_="all") for c in (agent, reward, model))  # type: ignore[assignment]
+        _PARTS[key] = tuple(instantiate(c, _convert_="all") for c in plain)  # type: ignore[assignment]
     return _PARTS[key]
-
-
-def _plain(config: Any) -> Any:
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(config, resolve=True) if isinstance(config, DictConfig) else config
 
 
 @register_adv_est(FAIL_CLOSED_GRPO)
