@@ -24,3 +24,6 @@ class TrainSetup:
     warmstart: Any
     seed: int
     run: RunDir
+    # the composed configs of agent, reward and model (resolved): what builds them again in other processes (verl's
+    # agent-loop workers)
+    groups: dict[str, dict[str, Any]]

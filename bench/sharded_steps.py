@@ -91,10 +91,14 @@ def tasks_of(variant: str, extra: list[str]) -> int:
 def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     shape = [f"model.{k}={v}" for k, v in SHAPES[args.shape].items()]
     shape += [f"model.num_key_value_heads={KV_HEADS[args.shape]}", *EMBEDDINGS.get(args.shape, [])]
-    common = [*RECIPE, *shape, f"algorithm.max_steps={args.steps}", f"backend.device={args.device}", *args.extra]
+    common = [*RECIPE, *shape, f"algorithm.max_steps={args.steps}", *args.extra]
     common.append(f"algorithm.tasks_per_step={tasks_of(variant, args.extra)}")
     launch = [sys.executable, str(ROOT / "launch.py"), *common, f"hydra.run.dir={run_dir}"]
     kind = variant.partition(":")[0]
+    if kind.startswith("verlx"):  # verl places its workers itself (Ray), on resources.gpus_per_node GPUs
+        gpus = kind.removeprefix("verlx")
+        return [*launch, "backend=verl", f"resources.gpus_per_node={gpus}", *args.verl_extra]
+    launch += [f"backend.device={args.device}", *args.trl_extra]
     if kind == "plain":
         return launch
     ranks = int(kind.removeprefix("fsdp2x"))
@@ -146,7 +150,9 @@ def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: 
         "rollouts_per_step": rollouts,
         "step_s": step_s,
         "step_s_each": [round(m["timing_s/step"] - m.get("timing_s/validation", 0.0), 2) for m in steps],
-        "phases_s": {k: median(f"timing_s/{k}") for k in ("weight_sync", "rollout", "scoring", "update")},
+        "phases_s": {
+            k: median(f"timing_s/{k}") for k in ("weight_sync", "rollout", "scoring", "old_logprobs", "update")
+        },
         "rollouts_per_s": rollouts / step_s,
         "model_tokens_per_s": tokens / step_s,
         # the most any rank's GPU had in use so far, per phase, as each step logged it (gpu_memory/*)
@@ -154,7 +160,22 @@ def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: 
         "peak_gpu_memory_gb_per_rank": results.get("peak_gpu_memory_gb_per_rank"),
         "gpu_memory_per_rank": results.get("gpu_memory_per_rank"),
         "memory_plan": results.get("memory_plan"),
+        # backend=verl: its actor workers' torch allocator peaks (vLLM's servers are other processes)
+        "verl_actor_memory_gb": {
+            k: median(f"actor/perf/{k}") for k in ("max_memory_allocated_gb", "max_memory_reserved_gb")
+        }
+        if variant.startswith("verl")
+        else None,
     }
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -166,11 +187,14 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-sharded"))
     parser.add_argument("--out", type=Path, help="results JSON")
     parser.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides, for every variant")
+    parser.add_argument("--trl-extra", nargs="*", default=[], help="overrides for the backend=trl variants only")
+    parser.add_argument("--verl-extra", nargs="*", default=[], help="overrides for the backend=verl variants only")
     args = parser.parse_args()
     for variant in args.variants:
         kind, _, tasks = variant.partition(":")
-        if not (kind == "plain" or (kind.startswith("fsdp2x") and kind.removeprefix("fsdp2x").isdigit())):
-            parser.error(f"unknown variant {variant!r}: plain or fsdp2xN, each with :T for T tasks a step")
+        sharded = any(kind.startswith(p) and kind.removeprefix(p).isdigit() for p in ("fsdp2x", "verlx"))
+        if not (kind == "plain" or sharded):
+            parser.error(f"unknown variant {variant!r}: plain, fsdp2xN or verlxN, each with :T for T tasks a step")
         if tasks and not tasks.isdigit():
             parser.error(f"unknown variant {variant!r}: T in VARIANT:T is a number of tasks")
 
@@ -191,6 +215,7 @@ def main() -> None:
             "transformers": transformers.__version__,
             "trl": trl.__version__,
             "accelerate": accelerate.__version__,
+            **{name: _version(name) for name in ("verl", "vllm", "ray")},
         },
         "shape": args.shape,
         "model": SHAPES[args.shape] | {"num_key_value_heads": KV_HEADS[args.shape]},

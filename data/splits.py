@@ -79,3 +79,17 @@ def held_out_text_in(
     text = "\n".join(corpus)
     asked = {task["question"] for task in train}
     return [q for task in held_out if (q := task["question"]) and q not in asked and q in text]
+
+
+def training_corpus(
+    demo_texts: list[str], rl_tasks: list[dict[str, Any]], held_out: list[dict[str, Any]], train: list[dict[str, Any]]
+) -> list[str]:
+    """What a model built here (the tiny one's tokenizer) is trained on: the demonstrations' text and the questions
+    of the tasks RL trains on (the policy reads them); without demonstrations, the training tasks' questions and gold
+    SQL. Never validation or test text: a held-out question found in it stops the run."""
+    corpus = [*demo_texts, *(t["question"] for t in rl_tasks)]
+    if not demo_texts:
+        corpus += [t["query"] for t in rl_tasks]
+    if leaked := held_out_text_in(corpus, held_out, train):
+        raise RuntimeError(f"{len(leaked)} validation/test questions are in the training corpus, e.g. {leaked[0]!r}")
+    return corpus

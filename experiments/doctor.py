@@ -1,7 +1,7 @@
 """job=doctor: a preflight table of what the selected run needs; exits non-zero when the run would fail.
 
 Each row is `ok`, `FAIL` (the run would fail: the row says how to fix it), `warn` (worth knowing, not fatal) or
-`-` (not used by this run). Runs in either venv: nothing from agent-lightning, verl or vLLM is imported at the top.
+`-` (not used by this run). Nothing from verl or vLLM is imported at the top.
 """
 
 from __future__ import annotations
@@ -14,26 +14,24 @@ import netrc
 import os
 import shutil
 import sys
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from omegaconf import DictConfig
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from backends.agl.settings import NEEDS_VENV
 from experiments.config import build_components
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import number
 
 ROOT = Path(__file__).resolve().parent.parent
-SCALE_BACKENDS = ("verl", "dev")
-# vLLM is not in the verl extra (no CPU build); agent-lightning 0.3.0 was tested with these.
-VLLM_TESTED = ("0.10.2", "0.11.0")
-PINNED_PACKAGES = ("agentlightning", "verl", "transformers", "openai", "opentelemetry-api", "opentelemetry-sdk")
+SCALE_BACKENDS = ("verl",)
+# vLLM is not in the verl extra (no CPU build); backend=verl ran with these (bench/results/verl_vs_trl_*.json).
+VLLM_TESTED = ("0.20.2",)
 
 
 @dataclass
@@ -57,12 +55,12 @@ class PreflightFailed(RuntimeError):
 
 
 def verl_pins() -> dict[str, str]:
-    """The verified set: constraints-verl.txt, the lock `make setup-verl` installs."""
+    """The verified set of backend=verl: the `verl` extra's pins (pyproject.toml)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pins = {}
-    for line in (ROOT / "constraints-verl.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            req = Requirement(line)
-            pins[canonicalize_name(req.name)] = str(req.specifier).removeprefix("==")
+    for line in extras["verl"]:
+        req = Requirement(line)
+        pins[canonicalize_name(req.name)] = str(req.specifier).removeprefix("==")
     return pins
 
 
@@ -100,45 +98,38 @@ def torch_rows(scale: bool, gpus_per_node: int) -> list[Row]:
     cuda = f"CUDA {torch.version.cuda}, {count} GPU(s): {listed}" if count else "no CUDA GPU"
     fix = (
         f"backend=verl needs resources.gpus_per_node={gpus_per_node} CUDA GPUs on each node: run on a GPU node "
-        "(on CPU: job=validate, backend=dev)"
+        "(on CPU: job=validate checks the run)"
     )
     rows.append(_row("cuda / GPUs", scale, count >= gpus_per_node, cuda, fix))
     return rows
 
 
 def package_rows(backend: str) -> list[Row]:
-    scale, verl = backend in SCALE_BACKENDS, backend == "verl"
+    verl = backend == "verl"
     rows = []
-    pins = verl_pins()
-    for module in ("agentlightning", "verl"):  # the main venv's verl 0.9 is not backend=verl's 0.6
-        have = _version(module) if importlib.util.find_spec(module) is not None else None
-        value = f"{have or 'not installed'} (pinned {pins[module]})"
-        rows.append(_row(module, scale, have == pins[module], value, NEEDS_VENV))
+    for dist, want in verl_pins().items():
+        have = _version(dist)
+        fix = f"pip install -c constraints.txt -e '.[verl]' (pins {dist}=={want}), or make setup"
+        rows.append(_row(dist, verl, have == want, f"{have or 'not installed'} (pinned {want})", fix))
+    if _version("verl") is not None:  # what verl itself requires of the set (transformers < 5.11, numpy >= 2, ...)
+        unmet = [
+            f"{req.name} {req.specifier} (have {_version(req.name) or 'none'})"
+            for req in map(Requirement, importlib.metadata.requires("verl") or [])
+            if req.marker is None and not req.specifier.contains(_version(req.name) or "0", prereleases=True)
+        ]
+        value = "; ".join(unmet) or "all met"
+        rows.append(_row("verl's requirements", verl, not unmet, value, "install the versions verl requires"))
     if backend == "trl":
         trl = _version("trl")
         rows.append(_row("trl", True, trl is not None, trl or "not installed", "backend=trl runs in .venv: make setup"))
-    for dist in PINNED_PACKAGES[2:]:
-        have, want = _version(dist), pins[dist]
-        fix = f"pip install -c constraints-verl.txt {dist}=={want} (or make setup-verl)"
-        rows.append(_row(dist, scale, have == want, f"{have or 'not installed'} (pinned {want})", fix))
-    otel = {d: _version(d) for d in ("opentelemetry-exporter-otlp", "opentelemetry-proto")}
-    bad = {d: v for d, v in otel.items() if v != pins[d]}
-    value = ", ".join(f"{d} {v or 'not installed'}" for d, v in otel.items())
-    fix = "agent-lightning's tracing exports no spans with other opentelemetry versions: make setup-verl"
-    rows.append(_row("opentelemetry exporters", scale, not bad, value, fix))
     rows.append(vllm_row(verl))
-    flash = _version("flash-attn") or _version("flash_attn")
-    fix = "verl's FSDP workers import flash_attn on CUDA: pip install flash-attn --no-build-isolation (for this torch)"
-    rows.append(_row("flash-attn", verl, flash is not None, flash or "not installed", fix))
-    ray = _version("ray")
-    rows.append(_row("ray", verl, ray is not None, ray or "not installed", "make setup-verl (verl runs on Ray)"))
     return rows
 
 
 def vllm_row(needed: bool) -> Row:
     version = _version("vllm")
     tested = " or ".join(VLLM_TESTED)
-    install = f"pip install vllm=={VLLM_TESTED[-1]} on the GPU machine (agent-lightning 0.3.0 was tested with {tested})"
+    install = f"pip install vllm=={VLLM_TESTED[-1]} on the GPU machine (backend=verl ran with {tested})"
     if version is None:
         return _row("vllm", needed, False, "not installed", install)
     try:
@@ -158,27 +149,15 @@ def vllm_row(needed: bool) -> Row:
 
 
 def cluster_rows(cfg: DictConfig, backend: str) -> list[Row]:
-    verl = backend == "verl"
     nodes = int(cfg.resources.nodes)
     address = os.environ.get("RAY_ADDRESS")
     fix = "start Ray across the allocation first (the SLURM launcher does; see README) and export RAY_ADDRESS"
     value = f"resources.nodes={nodes}, RAY_ADDRESS={address or 'unset'}"
-    rows = [_row("ray cluster", verl and nodes > 1, nodes == 1 or bool(address), value, fix)]
-    store = cfg.backend.get("store_address") if backend in SCALE_BACKENDS else None
-    if store:
-        try:
-            reachable = httpx.get(f"{store.rstrip('/')}/v1/agl/health", timeout=5.0).is_success
-        except httpx.HTTPError:
-            reachable = False
-        fix = "start it (agl store --port 4747 in .venv-verl) or set backend.store_address=null"
-        rows.append(_row("store", True, reachable, f"{store} {'answers' if reachable else 'is not reachable'}", fix))
-    else:
-        rows.append(Row("store", "ok" if backend in SCALE_BACKENDS else "-", "in-process (managed by the trainer)"))
-    return rows
+    return [_row("ray cluster", backend == "verl" and nodes > 1, nodes == 1 or bool(address), value, fix)]
 
 
 def wandb_rows(cfg: DictConfig, backend: str) -> list[Row]:
-    used = backend == "verl" and "wandb" in cfg.backend.get("logger", [])
+    used = (cfg.get("logger") or {}).get("name") == "wandb"
     version = _version("wandb")
     try:
         logged_in = bool(os.environ.get("WANDB_API_KEY")) or bool(netrc.netrc().authenticators("api.wandb.ai"))
@@ -205,8 +184,7 @@ def model_rows(cfg: DictConfig, backend: str) -> list[Row]:
         fix = f"model.path={model.path} does not exist: download it (hf download {model.hub_id} --local-dir DIR)"
         return [_row("model", trains, ok, model.path, fix)]
     if not model.get("hub_id"):
-        value, fix = f"model={model.name}: built on first use by backend=trl", "backend=verl needs model.path=DIR"
-        return [_row("model", backend == "verl", backend == "trl", value, fix)]
+        return [Row("model", "ok", f"model={model.name}: built on first use")]
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
     from huggingface_hub import try_to_load_from_cache
 
@@ -223,13 +201,13 @@ def model_rows(cfg: DictConfig, backend: str) -> list[Row]:
 def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
     """Our config validation, and for backend=verl verl's own (where verl is installed)."""
     try:
-        if backend == "verl" and all(importlib.util.find_spec(m) is not None for m in ("agentlightning", "verl")):
+        if backend == "verl" and importlib.util.find_spec("verl") is not None:
             from experiments.validate import verl_config
 
             verl_config(cfg, Path(cfg.paths.output_dir) / "doctor")
             return [Row("config", "ok", "ours and verl's validate_config pass")]
         build_components(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, OSError) as exc:
         return [Row("config", "FAIL", str(exc)[:200], "fix the key the message names")]
     return [Row("config", "ok", "valid")]
 
@@ -237,7 +215,7 @@ def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
 def preflight(cfg: DictConfig) -> list[Row]:
     backend = str(cfg.backend.name)
     if backend not in (*SCALE_BACKENDS, "trl"):
-        return [Row("backend", "FAIL", backend, "job=doctor knows backend=trl, verl and dev")]
+        return [Row("backend", "FAIL", backend, "job=doctor knows backend=trl and verl")]
     return [
         *python_rows(),
         *torch_rows(backend == "verl", int(cfg.resources.gpus_per_node)),

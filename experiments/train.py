@@ -8,7 +8,7 @@ import statistics
 import subprocess
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from backends.setup import TrainSetup
 from experiments.config import build_components
@@ -27,7 +27,13 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     if cfg.backend.name == "trl" and processes(cfg) > 1 and not started_by_launcher():
         parts["algorithm"].per_rank(processes(cfg))  # the ranks can share the step's batch
         return summarize(launch_ranks(cfg, run_dir), run_dir) | planned
-    setup = TrainSetup(
+    setup = train_setup(cfg, parts, run_dir)
+    return summarize(parts["backend"].train(setup), run_dir) | planned
+
+
+def train_setup(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> TrainSetup:
+    """What a backend receives: the built components, the seed, the run directory and the groups' configs."""
+    return TrainSetup(
         model=parts["model"],
         finetune=parts["finetune"],
         algorithm=parts["algorithm"],
@@ -37,8 +43,8 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
         warmstart=parts["warmstart"],
         seed=cfg.seed,
         run=run_dir,
+        groups={k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("agent", "reward", "model")},  # type: ignore[misc]
     )
-    return summarize(parts["backend"].train(setup), run_dir) | planned
 
 
 def memory_plan(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, Any] | None:

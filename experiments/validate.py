@@ -1,4 +1,6 @@
-"""job=validate: everything a backend=verl run checks before it starts, on CPU; writes `<run>/verl_config.yaml`."""
+"""job=validate: everything a backend=verl run does before Ray starts, on CPU: our groups built and validated, the
+inputs verl reads written (`<run>/verl/`: parquet rows, the agent-loop YAML; a model built here is built), verl's
+config derived and validated by us and by verl (`<run>/verl_config.yaml`)."""
 
 from __future__ import annotations
 
@@ -8,22 +10,19 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import build_components
+from experiments.train import train_setup
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 
 
 def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:
-    """Our groups validated and built, then verl's full trainer config generated from them and validated."""
-    from backends.agl.config import build_verl_config
-    from backends.agl.settings import VerlSettings
+    """Our groups validated and built, then verl's inputs and its trainer config generated and validated."""
+    from backends.verl.train import verl_setup
 
     if cfg.backend.name != "verl":
         raise ConfigError(f"backend={cfg.backend.name}: job=validate checks backend=verl runs (add backend=verl)")
-    if cfg.warmstart:
-        raise ConfigError(f"warmstart={cfg.warmstart.name}: backend=verl has no warm start (add warmstart=none)")
     parts = build_components(cfg)
-    backend: VerlSettings = parts["backend"]
-    return build_verl_config(parts["model"], parts["finetune"], parts["algorithm"], backend, run_path, cfg.seed)
+    return verl_setup(parts["backend"], train_setup(cfg, parts, RunDir(run_path)))
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
@@ -38,4 +37,6 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
         "rollout_n": rollout.n,
         "lora_rank": generated.actor_rollout_ref.model.lora_rank,
         "train_batch_size": generated.data.train_batch_size,
+        "adv_estimator": generated.algorithm.adv_estimator,
+        "rollout_is": generated.algorithm.rollout_correction.rollout_is,
     }

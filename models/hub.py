@@ -66,7 +66,7 @@ class HubModel:
         return self.source
 
     def load_tokenizer(self, source: str) -> PreTrainedTokenizerBase:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=_offline())
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=offline())
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
@@ -79,14 +79,14 @@ class HubModel:
     def architecture(self) -> PretrainedConfig:
         """The model's config (config.json alone: the memory plan's shape, before any weight loads)."""
         self.check_available()
-        return AutoConfig.from_pretrained(self.source, local_files_only=_offline())
+        return AutoConfig.from_pretrained(self.source, local_files_only=offline())
 
     def load_model(self, source: str, device: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(
             source,
             dtype=self.compute_dtype(device),
             attn_implementation=self.attn_implementation,
-            local_files_only=_offline(),
+            local_files_only=offline(),
         ).to(device)
 
     def compute_dtype(self, device: str) -> torch.dtype:
@@ -96,5 +96,5 @@ class HubModel:
         return getattr(torch, self.dtype)
 
 
-def _offline() -> bool:
+def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")

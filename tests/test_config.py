@@ -268,8 +268,7 @@ FREE_TEXT = {
     "DBBenchAgent": {"system_prompt", "task_prompt", "invalid_action_text"},
     "MedSQLAgent": {"instructions", "tool_description"},
     "SpiderSQLAgent": {"system_prompt", "write_prompt", "check_prompt", "rewrite_prompt", "no_query_text", "dialect"},
-    "VerlBackend": {"agent", "store_address", "project_name"},  # agent: Hydra's choice of the agent option
-    "DevBackend": {"agent", "store_address", "base_url", "model", "api_key_env"},
+    "VerlBackend": {"project_name"},
     "TRLBackend": {"device"},  # a torch device: auto, cpu, cuda, cuda:1, ...
     "DBBenchData": {"data_dir", "entry_file"},
     "MedQAData": {"data_dir", "train_split", "val_split", "test_split"},  # a split is any <name>.parquet there

@@ -7,8 +7,7 @@ The rule, per dataclass (an option's `_schema_`, else its `_target_` when that i
 - Its base options are the options that name it themselves (their own file sets `_target_` or `_schema_`). What a base
   option inherits through its defaults list counts as written by it: conf/algorithm/rft.yaml and sft_control.yaml
   take conf/algorithm/grpo.yaml's keys, so RFT's and SFTControl's inherited defaults must be grpo.yaml's values (and
-  sft_control's own `max_steps: 1000` SFTControl's); conf/agl/wiring.yaml, merged into conf/backend/verl.yaml and
-  dev.yaml, is compared through them.
+  sft_control's own `max_steps: 1000` SFTControl's).
 - An option that sets no `_target_` of its own and takes a sibling through its defaults list (algorithm=grpo_tiny,
   warmstart=sft_tiny, agent=spider_sql_tiny, ...) is a variant: it overrides values on purpose and is not compared;
   nor are experiments (they override other groups' keys).
@@ -172,7 +171,7 @@ SCHEMAS = sorted(sources(), key=qualname)
 def test_the_walk_finds_every_schema() -> None:
     names = {cls.__name__ for cls in SCHEMAS}
     assert names >= {"GRPO", "RFT", "SFTControl", "SFTWarmstart", "SpiderSQLAgent", "MedSQLAgent", "DBBenchAgent"}
-    assert names >= {"SpiderData", "MedQAData", "DBBenchData", "HubModel", "TinyModel", "VerlBackend", "DevBackend"}
+    assert names >= {"SpiderData", "MedQAData", "DBBenchData", "HubModel", "TinyModel", "VerlBackend"}
     assert names >= {"TRLBackend", "DPOJob", "RewardModelTrainJob", "Hybrid", "RunSettings", "Resources", "SlurmConf"}
     assert len(next(s for c, s in sources().items() if c.__name__ == "HubModel")) == 4
 

@@ -1,4 +1,4 @@
-"""job=doctor in the main venv: the default run passes; backend=verl fails, saying which venv it needs."""
+"""job=doctor: the default run passes; backend=verl on a machine without GPUs or vLLM fails, naming what is missing."""
 
 from __future__ import annotations
 
@@ -23,23 +23,24 @@ def test_doctor_passes_for_the_default_run(tmp_path: Path) -> None:
     table = rows(run_dir)
     assert not [name for name, r in table.items() if r["status"] == "FAIL"]
     assert table["trl"]["status"] == "ok" and table["config"]["status"] == "ok"
-    assert table["agentlightning"]["status"] == "-"  # not needed by backend=trl
-    for check in ("python", "torch", "cuda / GPUs", "vllm", "flash-attn", "opentelemetry-api", "ray", "store", "wandb"):
+    assert table["verl"]["status"] == "ok"  # the main venv holds backend=verl's pinned set too
+    for check in ("python", "torch", "cuda / GPUs", "vllm", "verl's requirements", "ray", "ray cluster", "wandb"):
         assert check in table
     assert "preflight for backend=trl" in result.stdout
 
 
 @pytest.mark.integration
-def test_doctor_fails_for_backend_verl_without_its_venv(tmp_path: Path) -> None:
+def test_doctor_fails_for_backend_verl_without_gpus_or_vllm(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["job=doctor", "backend=verl", "model=qwen2.5-coder-1.5b-instruct", f"hydra.run.dir={run_dir}"]
-    result = launch(args, tmp_path / "cache", tmp_path)
+    args = ["job=doctor", "backend=verl", "model=tiny", "warmstart=none", "algorithm.pool_samples=null"]
+    result = launch([*args, "job.min_free_gb=0", f"hydra.run.dir={run_dir}"], tmp_path / "cache", tmp_path)
     assert result.returncode != 0
     table = rows(run_dir)
-    assert table["agentlightning"]["status"] == "FAIL" and "make setup-verl" in table["agentlightning"]["fix"]
+    assert table["vllm"]["status"] == "FAIL" and "vllm==0.20.2" in table["vllm"]["fix"]
     assert table["cuda / GPUs"]["status"] == "FAIL" and "resources.gpus_per_node=1" in table["cuda / GPUs"]["fix"]
+    assert table["verl"]["status"] == "ok" and table["config"]["status"] == "ok"  # ours and verl's validation
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["status"] == "failed" and "agentlightning" in summary["error"]
+    assert summary["status"] == "failed" and "vllm" in summary["error"]
 
 
 @pytest.mark.integration
@@ -49,13 +50,6 @@ def test_doctor_fails_on_a_missing_model_path(tmp_path: Path) -> None:
     result = launch(args, tmp_path / "cache", tmp_path)
     assert result.returncode != 0
     assert rows(run_dir)["model"]["status"] == "FAIL" and "does not exist" in rows(run_dir)["model"]["fix"]
-
-
-@pytest.mark.integration
-def test_validate_outside_the_verl_venv_names_it(tmp_path: Path) -> None:
-    result = launch(["job=validate", "backend=verl", "model=qwen2.5-coder-1.5b-instruct"], tmp_path / "cache", tmp_path)
-    assert result.returncode != 0
-    assert "make setup-verl, then run with .venv-verl/bin/python" in result.stdout + result.stderr
 
 
 def test_the_transformers_vllm_mismatch_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,9 +60,7 @@ def test_no_layer_imports_a_higher_one() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize(
-    "package", ["inference", "backends", "backends.agl", "backends.verl", "backends.trl", "experiments"]
-)
+@pytest.mark.parametrize("package", ["inference", "backends", "backends.verl", "backends.trl", "experiments"])
 def test_no_import_circle(package: str) -> None:
     graph = {n: {d for d in deps if d.startswith(package + ".")} for n, deps in imports().items()}
     graph = {n: deps for n, deps in graph.items() if n.startswith(package + ".")}

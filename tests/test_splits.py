@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 
-from backends.trl.backend import training_corpus
 from backends.trl.sft import SFTWarmstart
 from data import dbbench, med_qa, spider_mini
 from data.dbbench import DBBenchData
 from data.med_qa import MedQAData
 from data.spider import SpiderData
-from data.splits import KIND, held_out_text_in, kind_distance, sql_skeleton, stratified_split
+from data.splits import KIND, held_out_text_in, kind_distance, sql_skeleton, stratified_split, training_corpus
 from foundation.errors import ConfigError
 from tests.conftest import FAST_RUN, launch
 

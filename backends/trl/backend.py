@@ -43,7 +43,7 @@ from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, on_any_rank, task_prompt, validate_policy
 from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised, weights_digest
 from backends.trl.trainer import AgentGRPOTrainer
-from data.splits import KIND, held_out_text_in, kind_distance
+from data.splits import KIND, kind_distance, training_corpus
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.ranks import is_main, local_rank, started_by_launcher, world_size
@@ -172,7 +172,8 @@ class TRLBackend:
             all_train, split_seed = train_tasks, setup.data.split_seed
             warm_tasks, train_tasks = setup.warmstart.split(train_tasks, split_seed) if warm else ([], train_tasks)
             demos = setup.warmstart.demonstrations(setup.agent, warm_tasks, warm_seed) if warm else []
-            source = setup.model.prepare(training_corpus(demos, train_tasks, val_tasks + test_tasks, all_train))
+            demo_texts = [text for demo in demos for text in demonstration_texts(demo)]
+            source = setup.model.prepare(training_corpus(demo_texts, train_tasks, val_tasks + test_tasks, all_train))
             test_tasks = test_tasks if algo.test_at_end else []
         metric = setup.data.metric()
         compute_dtype = setup.model.compute_dtype(device)  # the model's as loaded (FSDP2 keeps fp32 masters beside)
@@ -531,20 +532,6 @@ class TRLBackend:
 
 
 _UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
-
-
-def training_corpus(
-    demos: list[Any], rl_tasks: list[dict[str, Any]], held_out: list[dict[str, Any]], train: list[dict[str, Any]]
-) -> list[str]:
-    """What a model built here (the tiny one's tokenizer) is trained on: the demonstrations' text and the questions
-    of the tasks RL trains on (the policy reads them); without demonstrations, the training tasks' questions and gold
-    SQL. Never validation or test text: a held-out question found in it stops the run."""
-    corpus = [text for demo in demos for text in demonstration_texts(demo)] + [t["question"] for t in rl_tasks]
-    if not demos:
-        corpus += [t["query"] for t in rl_tasks]
-    if leaked := held_out_text_in(corpus, held_out, train):
-        raise RuntimeError(f"{len(leaked)} validation/test questions are in the training corpus, e.g. {leaked[0]!r}")
-    return corpus
 
 
 def write_splits(

@@ -1,3 +1,3 @@
-"""verl 0.9 as a backend, in the main venv (the `verl` extra): `loop.py` runs our agents in verl's agent loop, token
-in, token out, fail closed. The trainer around it is not built yet; `backend=verl` is still agent-lightning 0.3 on
-verl 0.6 (`backends/agl/`, docs/verl.md)."""
+"""backend=verl: verl 0.9's PPO trainer (Ray, FSDP2 workers, vLLM servers) with our agents in its agent loop, token
+in, token out, fail closed: `backend.py` (the group's class), `config.py` (verl's config from ours), `loop.py` (the
+agent loop), `runner.py` (verl's driver: TaskRunner and trainer), `train.py` (the run), `compat.py` (beside trl)."""

@@ -2,7 +2,7 @@
 on this machine (arl-node1, arl-node2; Debian's slurm-wlm supports several per host). A job submitted as a user would
 (`hydra/launcher=slurm resources.nodes=2`) starts Ray with `start_ray_cluster()` and the real ray of .venv-verl: the
 head on its first node, a worker on the second through `srun --overlap`. Where SLURM cannot start, the tests fail with
-the reason. Runs in .venv-verl."""
+the reason."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from experiments.sweep import submitted_jobs
 from tests.conftest import launch
 from tests.local_slurm import local_cluster
 
-# One xdist worker for the tests that start Ray (also tests/test_verl_train.py): two Ray clusters started at once
-# on one machine could find each other.
-pytestmark = [pytest.mark.verl, pytest.mark.xdist_group("ray")]
+# One xdist worker for the tests that start Ray: two Ray clusters started at once on one machine could find each other.
+pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.xdist_group("ray")]
 
 # Each job: 2 nodes of 1 CPU, no GPU (this machine's cluster has none).
 SLURM_2_NODES = [
@@ -65,9 +64,9 @@ def test_a_two_node_job_starts_ray_on_both_nodes_and_stops_it(two_nodes: None, t
 
 
 def test_backend_verl_on_two_nodes_starts_ray_over_them(two_nodes: None, tmp_path: Path) -> None:
-    """backend=verl up to Trainer.fit (backend.fit=false: vLLM and GPUs are what this machine lacks), as in
-    test_verl_train.py, on two nodes: the run starts Ray over its allocation before it builds the trainer."""
-    verl = ["backend=verl", "model=qwen2.5-coder-1.5b-instruct", "finetune=lora", "backend.fit=false"]
+    """backend=verl up to verl's trainer (backend.fit=false: vLLM and GPUs are what this machine lacks) on two
+    nodes: the run writes verl's inputs and config and starts Ray over its allocation."""
+    verl = ["backend=verl", "model=tiny", "warmstart=none", "algorithm.pool_samples=null", "backend.fit=false"]
     data = ["data.generate.n_train=24", "data.generate.n_dev=4"]
     summary, run_dir = sweep([*verl, *data], tmp_path)
     assert summary["status"] == "completed" and summary["fit"].startswith("skipped"), summary

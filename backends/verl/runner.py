@@ -1,0 +1,91 @@
+"""What runs in verl's driver process (a Ray actor): its TaskRunner with our trainer, for `run_ppo`.
+
+`TaskRunner.run` is verl 0.9's legacy TaskRunner (`verl.trainer.main_ppo_v0`) with two changes: this module is
+imported in the actor's process, which registers the advantage estimator `grpo_fail_closed` where verl computes
+advantages; and the trainer is `FailClosedTrainer`, which logs each step's fail-closed bookkeeping beside verl's
+metrics (verl's own reward and length metrics count the excluded rows, with their reward 0 and one token).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import ray
+from omegaconf import DictConfig, OmegaConf
+from verl.trainer.main_ppo_v0 import TaskRunner as VerlTaskRunner
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
+
+import backends.verl.loop  # noqa: F401  (registers grpo_fail_closed in this process)
+from backends.samples import EXCLUSION_REASONS
+
+
+def step_metrics(batch: Any) -> dict[str, float]:
+    """One step's rollouts as backend=trl logs them: the excluded share (and per reason), and over the rollouts
+    that train, the mean reward, model tokens, LLM calls and agent turns."""
+    excluded = np.asarray(batch.non_tensor_batch["excluded"], dtype=object)
+    trains = np.array([not reason for reason in excluded])
+    n = len(excluded)
+    reasons = Counter(str(reason) for reason in excluded if reason)
+    metrics = {"rollout/excluded_rate": float(1 - trains.mean())}
+    metrics |= {f"rollout/excluded_{reason}_rate": reasons.get(reason, 0) / n for reason in EXCLUSION_REASONS}
+    if trains.any():
+        rewards = batch.batch["token_level_scores"].sum(dim=-1).numpy()
+        tokens = batch.batch["response_mask"].sum(dim=-1).numpy()
+        metrics["train/reward_mean"] = float(rewards[trains].mean())
+        metrics["rollout/model_tokens_mean"] = float(tokens[trains].mean())
+        for key, name in (("llm_calls", "rollout/llm_calls_mean"), ("agent_turns", "rollout/turns_mean")):
+            metrics[name] = float(np.asarray(batch.non_tensor_batch[key], dtype=float)[trains].mean())
+    return metrics
+
+
+class FailClosedTrainer(RayPPOTrainer):
+    """verl's PPO trainer, logging `step_metrics` with each actor update."""
+
+    def _update_actor(self, batch: Any) -> Any:
+        ours = step_metrics(batch)
+        output = super()._update_actor(batch)
+        output.meta_info["metrics"].update(ours)
+        return output
+
+
+@ray.remote(num_cpus=1)
+class TaskRunner(VerlTaskRunner.__ray_actor_class__):  # type: ignore[name-defined,misc]
+    """verl's legacy TaskRunner, training with `FailClosedTrainer`."""
+
+    def run(self, config: DictConfig) -> None:
+        from verl.utils.config import omega_conf_to_dataclass, validate_config
+        from verl.utils.dataset.rl_dataset import collate_fn
+        from verl.workers.config import HFModelConfig
+
+        print(f"TaskRunner hostname: {socket.gethostname()}, PID: {os.getpid()}", flush=True)
+        OmegaConf.resolve(config)
+        _, worker_group_cls = self.add_actor_rollout_worker(config)
+        self.add_critic_worker(config)
+        self.add_reward_model_resource_pool(config)
+        self.add_teacher_model_resource_pool(config)
+        validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+        model_config: HFModelConfig = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+        tokenizer, processor = model_config.tokenizer, model_config.processor
+        datasets = {
+            split: create_rl_dataset(files, config.data, tokenizer, processor, is_train=split == "train")
+            for split, files in (("train", config.data.train_files), ("val", config.data.val_files))
+        }
+        trainer = FailClosedTrainer(
+            config=config,
+            tokenizer=tokenizer,
+            processor=processor,
+            role_worker_mapping=self.role_worker_mapping,
+            resource_pool_manager=self.init_resource_pool_mgr(config),
+            ray_worker_group_cls=worker_group_cls,
+            train_dataset=datasets["train"],
+            val_dataset=datasets["val"],
+            collate_fn=collate_fn,
+            train_sampler=create_rl_sampler(config.data, datasets["train"]),
+        )
+        trainer.init_workers()
+        trainer.fit()

@@ -1,0 +1,154 @@
+"""backend=verl: verl 0.9's PPO trainer (GRPO, FSDP2 workers, vLLM servers, Ray) with our agents in its agent loop.
+
+    our tasks -> <run>/verl/{train,val}.parquet (one row per task: `loop.task_row`)
+    our agent, reward and model groups -> <run>/verl/agent_loop.yaml (`loop.loop_config`)
+    our groups -> verl's config (`config.py`, validated) -> <run>/verl_config.yaml
+    verl's run_ppo with our TaskRunner (`runner.py`) -> <run>/verl_metrics.jsonl -> <run>/metrics.jsonl
+
+On several nodes (`resources.nodes` > 1) Ray must run across the allocation: unless RAY_ADDRESS names a cluster
+already, the job starts one over its SLURM allocation (`backends.ray_cluster.start_ray_cluster`) and verl's entry
+point joins it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pandas as pd
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from backends.ray_cluster import start_ray_cluster
+from backends.setup import TrainSetup
+from backends.verl.config import ModelSource, build_verl_config, check_algorithm, check_shape
+from backends.verl.loop import loop_config, task_row
+from data.splits import training_corpus
+from foundation.errors import ConfigError
+from inference.policy_server import eos_ids_of
+from models.hub import HubModel, offline
+
+# verl's metric -> ours (backend=trl's name for the same quantity); the rest stay under their verl names
+METRIC_NAMES = {
+    "timing_s/step": "timing_s/step",
+    "timing_s/gen": "timing_s/rollout",
+    "timing_s/update_actor": "timing_s/update",
+    "timing_s/update_weights": "timing_s/weight_sync",
+    "timing_s/old_log_prob": "timing_s/old_logprobs",
+    "timing_s/testing": "timing_s/validation",
+    "actor/grad_norm": "train/grad_norm",
+    "actor/pg_loss": "train/loss",
+}
+
+
+def absolute(task: dict[str, Any]) -> dict[str, Any]:
+    """The task with its database path absolute: verl's agent-loop workers run in other working directories."""
+    return task | {"db_path": str(Path(task["db_path"]).resolve())} if "db_path" in task else task
+
+
+def write_inputs(backend: Any, setup: TrainSetup, folder: Path) -> dict[str, str]:
+    """The parquet rows and the agent-loop YAML verl reads; returns their paths (config.py's `files`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    source = setup.data.name
+    for split, tasks in (("train", setup.data.train_tasks()), ("val", setup.data.val_tasks())):
+        rows = [task_row(absolute(task), source, i) for i, task in enumerate(tasks)]
+        files[split] = str(folder / f"{split}.parquet")
+        pd.DataFrame(rows).to_parquet(files[split])
+    algo = setup.algorithm
+    entry = loop_config(
+        setup.groups["agent"],
+        setup.groups["reward"],
+        setup.groups["model"],
+        max_prompt_tokens=algo.max_prompt_length,
+        max_response_tokens=algo.max_response_length,
+        max_tokens_per_turn=algo.max_tokens_per_turn,
+        reward_timeout_s=algo.reward_timeout_s,
+        eos_ids=eos_ids(setup.model),
+    )
+    files["loop"] = str(folder / "agent_loop.yaml")
+    Path(files["loop"]).write_text(yaml.safe_dump(entry, sort_keys=False))
+    return files
+
+
+def eos_ids(model: HubModel) -> list[int]:
+    """The ids that end a reply (`eos_ids_of`: the generation config's, else the tokenizer's), without the weights."""
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model.source, local_files_only=offline())
+    except OSError:  # no generation_config.json: the tokenizer's eos
+        generation = GenerationConfig()
+    return sorted(eos_ids_of(SimpleNamespace(generation_config=generation), model.load_tokenizer(model.source)))
+
+
+def verl_setup(backend: Any, setup: TrainSetup) -> DictConfig:
+    """The run's inputs written and verl's config built and validated (what job=validate checks too)."""
+    if setup.warmstart is not None:
+        raise ConfigError(f"warmstart={setup.warmstart.name}: backend=verl starts from model= (add warmstart=none)")
+    check_algorithm(setup.algorithm)  # before anything is written or built
+    check_shape(setup.finetune, setup.algorithm, backend)
+    data = setup.data
+    train, held_out = data.train_tasks(), data.val_tasks() + data.test_tasks()
+    model_path = setup.model.prepare(training_corpus([], train, held_out, train))  # a tiny model is built here
+    if Path(model_path).exists():  # a local directory, as every Ray process sees it (their working directories vary)
+        model_path = str(Path(model_path).resolve())
+    setup.model.path = model_path  # the workers load what was built
+    setup.groups["model"]["path"] = model_path
+    run_path = setup.run.path.resolve()
+    files = write_inputs(backend, setup, run_path / "verl")
+    model = ModelSource(model_path, setup.model.attn_implementation)
+    return build_verl_config(model, setup.finetune, setup.algorithm, backend, files, run_path, setup.seed)
+
+
+def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
+    run = setup.run
+    config = verl_setup(backend, setup)
+    OmegaConf.save(config, run.path / "verl_config.yaml")
+    results: dict[str, Any] = {
+        "verl_config": str(run.path / "verl_config.yaml"),
+        "train_tasks": len(setup.data.train_tasks()),
+        "val_tasks": len(setup.data.val_tasks()),
+        "is_correction": setup.algorithm.is_correction,
+    }
+    if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS") and start_ray_cluster() == "local":
+        raise RuntimeError(
+            f"resources.nodes={backend.nodes}, but this is not a job of several SLURM nodes: run it with "
+            "hydra/launcher=slurm, or start Ray across the nodes yourself and export RAY_ADDRESS"
+        )
+    if not backend.fit:
+        return results | {"fit": "skipped (backend.fit=false)"}
+    import ray
+    from verl.trainer.main_ppo import run_ppo
+
+    from backends.verl.runner import TaskRunner
+
+    verl_metrics = Path(config.ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH)
+    run.phase = "training"
+    start = time.monotonic()
+    try:
+        run_ppo(config, task_runner_class=TaskRunner)
+    finally:
+        ray.shutdown()
+    steps = copy_metrics(verl_metrics, run)
+    return results | {"fit": "completed", "train_s": round(time.monotonic() - start, 1), "verl_steps": steps}
+
+
+def copy_metrics(verl_metrics: Path, run: Any) -> int:
+    """verl's per-step log into metrics.jsonl: our names where they mean the same (METRIC_NAMES), verl's otherwise;
+    validation (`val-core/<source>/reward/mean@1`) as `val/reward_mean`. Returns the training steps logged."""
+    steps = 0
+    for line in verl_metrics.read_text().splitlines() if verl_metrics.exists() else []:
+        record = json.loads(line)
+        data: dict[str, Any] = record["data"]
+        metrics = {METRIC_NAMES.get(key, key): value for key, value in data.items()}
+        rewards = [v for k, v in data.items() if k.startswith("val-core/") and k.endswith("/reward/mean@1")]
+        if rewards:
+            metrics["val/reward_mean"] = sum(rewards) / len(rewards)
+        steps += "train/reward_mean" in metrics or "rollout/excluded_rate" in metrics
+        run.log(int(record["step"]), metrics)
+    return steps

@@ -1,0 +1,76 @@
+"""backend=verl before Ray starts (job=validate, backend.fit=false), on CPU: verl's inputs and config derived from our
+groups and validated by us and by verl; bad keys are named before anything is built."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from tests.conftest import launch
+
+pytestmark = pytest.mark.integration
+
+VERL = ["backend=verl", "model=tiny", "warmstart=none", "algorithm.pool_samples=null"]
+DATA = ["data.generate.n_train=24", "data.generate.n_dev=4"]
+
+
+def test_validate_writes_verls_inputs_and_config_from_ours(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*VERL, *DATA, "job=validate", "algorithm.group_size=8", "algorithm.is_correction=sequence_truncate"]
+    result = launch([*args, "algorithm.is_cap=3.0", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    config = OmegaConf.load(run_dir / "verl_config.yaml")
+    assert config.algorithm.adv_estimator == "grpo_fail_closed"  # excluded rollouts leave their group
+    correction = config.algorithm.rollout_correction
+    assert (correction.rollout_is, correction.rollout_is_threshold, correction.rollout_rs) == ("sequence", 3.0, None)
+    rollout = config.actor_rollout_ref.rollout
+    assert rollout.n == 8 and rollout.logprobs_mode == "processed_logprobs" and rollout.calculate_log_probs
+    assert rollout.agent.default_agent_loop == "arl_agent" and config.trainer.use_v1 is False
+    model_path = Path(config.actor_rollout_ref.model.path)
+    assert model_path.is_absolute() and (model_path / "config.json").is_file()  # the tiny model, built here
+    # one row per task, the task whole in extra_info (its database path absolute: the workers run elsewhere)
+    rows = pd.read_parquet(config.data.train_files)
+    assert len(rows) == 24 and set(rows.agent_name) == {"arl_agent"}
+    task = json.loads(rows.extra_info[0]["task"])
+    assert Path(task["db_path"]).is_absolute() and Path(task["db_path"]).is_file()
+    [entry] = yaml.safe_load(Path(rollout.agent.agent_loop_config_path).read_text())
+    assert entry["name"] == "arl_agent" and entry["_recursive_"] is False
+    assert entry["agent"]["_target_"] == "agent.spider_sql.SpiderSQLAgent" and entry["model"]["path"] == str(model_path)
+    assert entry["max_response_tokens"] == config.data.max_response_length and entry["eos_ids"]
+
+
+OVERRIDES = "+backend.overrides.actor_rollout_ref.rollout"
+
+
+@pytest.mark.parametrize(
+    ("override", "named", "inputs_written"),
+    [
+        ("finetune=lora finetune.rank=7", "finetune.rank=7: vLLM serves LoRA ranks", False),
+        ("algorithm.is_correction=token_mask", "algorithm.is_correction=token_mask", False),
+        ("algorithm.time_budget_s=60", "algorithm.time_budget_s=60: backend=trl's", False),
+        # verl's own keys are checked against verl's config, once ours is derived (its paths name the inputs)
+        (f"{OVERRIDES}.no_such_key=1", "actor_rollout_ref.rollout.no_such_key is not a key", True),
+        (f"{OVERRIDES}.n=3", "backend.overrides.actor_rollout_ref.rollout.n is generated", True),
+    ],
+)
+def test_a_bad_key_is_named(override: str, named: str, inputs_written: bool, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [*VERL, *DATA, "job=validate", *override.split(), f"hydra.run.dir={run_dir}"]
+    result = launch(args, tmp_path / "c", tmp_path)
+    assert result.returncode != 0
+    assert named in result.stdout + result.stderr
+    assert (run_dir / "verl").exists() == inputs_written
+
+
+def test_fit_false_stops_before_ray(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = launch([*VERL, *DATA, "backend.fit=false", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["fit"].startswith("skipped")
+    assert (summary["train_tasks"], summary["val_tasks"]) == (24, 4) and (run_dir / "verl_config.yaml").is_file()
