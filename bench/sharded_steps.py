@@ -8,8 +8,10 @@ FSDP2, started as `launch.py resources.gpus_per_node=N` starts them (torchrun). 
 the whole sharded path (accelerate's FSDP2 on CUDA with fp32 master weights, the gathered bf16 copy that the engine
 generates from, sharded checkpoints) on a machine with one GPU, with nothing to share it with. `VARIANT:T` runs it at T
 tasks a step (4 rollouts each) instead of 16 (`--extra algorithm.tasks_per_step=T`: every variant): `fsdp2x2:32`
-gives each of 2 GPUs the work one GPU has at 16 (weak scaling). The response budget holds a whole rollout of a random
-model (6 calls of 256 tokens and the tool results between them), so every rollout is trained on, as in a real run.
+gives each of 2 GPUs the work one GPU has at 16 (weak scaling). `verlxN` runs the same recipe with backend=verl on N
+GPUs (verl places its Ray workers itself); `--trl-extra` and `--verl-extra` reach one backend's variants only.
+The response budget holds a whole rollout of a random model (6 calls of 256 tokens and the tool results between them),
+so every rollout is trained on, as in a real run.
 
 Memory: each row has the run's memory plan (its estimate per GPU, made before the ranks start: backends/memory.py)
 beside what each GPU had in use (sampled, every process on it), per phase, and what the engine freed when it slept.
@@ -24,6 +26,8 @@ results committed before.
         --extra backend.offload=optimizer backend.vllm_gpu_memory_utilization=0.5 backend.gradient_checkpointing=true \
         algorithm.micro_batch_size=1 algorithm.tasks_per_step=8 --out ...                       # 7B full, 2 GPUs
     python bench/sharded_steps.py --shape tiny --device cpu --variants plain fsdp2x2 --steps 2       # the same on CPU
+    python bench/sharded_steps.py --shape qwen25_1_5b --steps 3 --variants verlx1 plain --extra finetune=full \
+        algorithm.test_at_end=false --trl-extra backend.memory_check=false --out ...        # verl beside trl, 1 GPU
 
 Timings are medians over the steps after the first (which compiles and captures the engine's graphs), validation left
 out; each step's own time is in `step_s_each`. A run that fails after some steps (its final save, say) keeps them in

@@ -22,7 +22,8 @@ def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:
     if cfg.backend.name != "verl":
         raise ConfigError(f"backend={cfg.backend.name}: job=validate checks backend=verl runs (add backend=verl)")
     parts = build_components(cfg)
-    return verl_setup(parts["backend"], train_setup(cfg, parts, RunDir(run_path)))
+    config, _ = verl_setup(parts["backend"], train_setup(cfg, parts, RunDir(run_path)))
+    return config
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:

@@ -169,7 +169,7 @@ class PolicyServer:
             raise ValueError("without a model the server needs an engine that holds the weights, and the eos ids")
         self.model = model  # None: the engine holds the weights (it is never handed the model)
         self.engine = engine or HFGenerate()
-        self.eos_ids = eos_ids if eos_ids is not None else eos_ids_of(model, tokenizer)
+        self.eos_ids = eos_ids if eos_ids is not None else eos_ids_of(model.generation_config, tokenizer)
         self.tokenizer = tokenizer
         self.chat_format = chat_format or ChatFormat(tokenizer)
         self.max_prompt_tokens = max_prompt_tokens
@@ -406,9 +406,9 @@ class PolicyServer:
         )
 
 
-def eos_ids_of(model: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def eos_ids_of(generation_config: Any, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """The ids that end a reply: the model's generation config's (what vLLM stops at too), else the tokenizer's."""
-    return set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
+    return set(_as_list(generation_config.eos_token_id) or [tokenizer.eos_token_id])
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

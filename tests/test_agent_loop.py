@@ -153,7 +153,7 @@ def test_a_rollout_in_verls_agent_loop_is_the_sample_backend_trl_trains(
     # backend=verl: the same agent and reward, composed as the loop's YAML carries them, against verl's client
     spec = micro_tiny(tmp_path, context_length=4096, chat_template=name, tool_call_format=tool_format)
     model_cfg = {"_target_": "models.tiny.TinyModel", **dataclasses.asdict(spec)}
-    eos = sorted(eos_ids_of(model, tokenizer))
+    eos = sorted(eos_ids_of(model.generation_config, tokenizer))
     [entry] = loop_config(
         OmegaConf.to_container(cfg.agent, resolve=True),
         OmegaConf.to_container(cfg.reward, resolve=True),
@@ -219,7 +219,7 @@ def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_bas
         max_response_tokens=96,
         max_tokens_per_turn=8,
         reward_timeout_s=5.0,
-        eos_ids=sorted(eos_ids_of(model, tokenizer)),
+        eos_ids=sorted(eos_ids_of(model.generation_config, tokenizer)),
     )
     # group A: two rollouts that train (rewards 1, 0), one whose agent fails, one whose reward fails; group B: two
     # that train and one whose first call verl aborted (the 12th call)

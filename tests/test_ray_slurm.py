@@ -67,7 +67,7 @@ def test_backend_verl_on_two_nodes_starts_ray_over_them(two_nodes: None, tmp_pat
     """backend=verl up to verl's trainer (backend.fit=false: vLLM and GPUs are what this machine lacks) on two
     nodes: the run writes verl's inputs and config and starts Ray over its allocation."""
     verl = ["backend=verl", "model=tiny", "warmstart=none", "algorithm.pool_samples=null", "backend.fit=false"]
-    data = ["data.generate.n_train=24", "data.generate.n_dev=4"]
+    data = ["data.generate.n_train=24", "data.generate.n_dev=4", "algorithm.micro_batch_size=8"]  # 16 a GPU
     summary, run_dir = sweep([*verl, *data], tmp_path)
     assert summary["status"] == "completed" and summary["fit"].startswith("skipped"), summary
     assert "Ray cluster at 127.0.0.1:6379: 2 nodes" in (run_dir / "launch.log").read_text()

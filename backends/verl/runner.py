@@ -8,6 +8,7 @@ metrics (verl's own reward and length metrics count the excluded rows, with thei
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections import Counter
@@ -26,20 +27,22 @@ from backends.samples import EXCLUSION_REASONS
 
 def step_metrics(batch: Any) -> dict[str, float]:
     """One step's rollouts as backend=trl logs them: the excluded share (and per reason), and over the rollouts
-    that train, the mean reward, model tokens, LLM calls and agent turns."""
+    that train, the mean reward, model tokens, LLM calls and agent turns (NaN where none trains: metrics.jsonl's
+    null, as backend=trl logs such a step)."""
     excluded = np.asarray(batch.non_tensor_batch["excluded"], dtype=object)
     trains = np.array([not reason for reason in excluded])
     n = len(excluded)
     reasons = Counter(str(reason) for reason in excluded if reason)
     metrics = {"rollout/excluded_rate": float(1 - trains.mean())}
     metrics |= {f"rollout/excluded_{reason}_rate": reasons.get(reason, 0) / n for reason in EXCLUSION_REASONS}
-    if trains.any():
-        rewards = batch.batch["token_level_scores"].sum(dim=-1).numpy()
-        tokens = batch.batch["response_mask"].sum(dim=-1).numpy()
-        metrics["train/reward_mean"] = float(rewards[trains].mean())
-        metrics["rollout/model_tokens_mean"] = float(tokens[trains].mean())
-        for key, name in (("llm_calls", "rollout/llm_calls_mean"), ("agent_turns", "rollout/turns_mean")):
-            metrics[name] = float(np.asarray(batch.non_tensor_batch[key], dtype=float)[trains].mean())
+    per_rollout = {
+        "train/reward_mean": batch.batch["token_level_scores"].sum(dim=-1).numpy(),
+        "rollout/model_tokens_mean": batch.batch["response_mask"].sum(dim=-1).numpy(),
+        "rollout/llm_calls_mean": np.asarray(batch.non_tensor_batch["llm_calls"], dtype=float),
+        "rollout/turns_mean": np.asarray(batch.non_tensor_batch["agent_turns"], dtype=float),
+    }
+    for name, values in per_rollout.items():
+        metrics[name] = float(values[trains].mean()) if trains.any() else math.nan
     return metrics
 
 

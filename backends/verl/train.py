@@ -16,7 +16,6 @@ import json
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
@@ -50,69 +49,68 @@ def absolute(task: dict[str, Any]) -> dict[str, Any]:
     return task | {"db_path": str(Path(task["db_path"]).resolve())} if "db_path" in task else task
 
 
-def write_inputs(backend: Any, setup: TrainSetup, folder: Path) -> dict[str, str]:
-    """The parquet rows and the agent-loop YAML verl reads; returns their paths (config.py's `files`)."""
+def write_inputs(setup: TrainSetup, splits: dict[str, list[dict[str, Any]]], model_path: str, folder: Path) -> dict:
+    """The parquet rows of `splits` (train, val) and the agent-loop YAML verl reads, whose model group loads
+    `model_path`; returns their paths (config.py's `files`)."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
-    source = setup.data.name
-    for split, tasks in (("train", setup.data.train_tasks()), ("val", setup.data.val_tasks())):
-        rows = [task_row(absolute(task), source, i) for i, task in enumerate(tasks)]
+    for split, tasks in splits.items():
+        rows = [task_row(absolute(task), setup.data.name, i) for i, task in enumerate(tasks)]
         files[split] = str(folder / f"{split}.parquet")
         pd.DataFrame(rows).to_parquet(files[split])
     algo = setup.algorithm
     entry = loop_config(
         setup.groups["agent"],
         setup.groups["reward"],
-        setup.groups["model"],
+        setup.groups["model"] | {"path": model_path},
         max_prompt_tokens=algo.max_prompt_length,
         max_response_tokens=algo.max_response_length,
         max_tokens_per_turn=algo.max_tokens_per_turn,
         reward_timeout_s=algo.reward_timeout_s,
-        eos_ids=eos_ids(setup.model),
+        eos_ids=eos_ids(setup.model, model_path),
     )
     files["loop"] = str(folder / "agent_loop.yaml")
     Path(files["loop"]).write_text(yaml.safe_dump(entry, sort_keys=False))
     return files
 
 
-def eos_ids(model: HubModel) -> list[int]:
+def eos_ids(model: HubModel, source: str) -> list[int]:
     """The ids that end a reply (`eos_ids_of`: the generation config's, else the tokenizer's), without the weights."""
     from transformers import GenerationConfig
 
     try:
-        generation = GenerationConfig.from_pretrained(model.source, local_files_only=offline())
+        generation = GenerationConfig.from_pretrained(source, local_files_only=offline())
     except OSError:  # no generation_config.json: the tokenizer's eos
         generation = GenerationConfig()
-    return sorted(eos_ids_of(SimpleNamespace(generation_config=generation), model.load_tokenizer(model.source)))
+    return sorted(eos_ids_of(generation, model.load_tokenizer(source)))
 
 
-def verl_setup(backend: Any, setup: TrainSetup) -> DictConfig:
-    """The run's inputs written and verl's config built and validated (what job=validate checks too)."""
+def verl_setup(backend: Any, setup: TrainSetup) -> tuple[DictConfig, dict[str, int]]:
+    """The run's inputs written and verl's config built and validated (what job=validate checks too); the config
+    and the tasks per split."""
     if setup.warmstart is not None:
         raise ConfigError(f"warmstart={setup.warmstart.name}: backend=verl starts from model= (add warmstart=none)")
     check_algorithm(setup.algorithm)  # before anything is written or built
     check_shape(setup.finetune, setup.algorithm, backend)
-    data = setup.data
-    train, held_out = data.train_tasks(), data.val_tasks() + data.test_tasks()
-    model_path = setup.model.prepare(training_corpus([], train, held_out, train))  # a tiny model is built here
+    splits = {"train": setup.data.train_tasks(), "val": setup.data.val_tasks()}
+    held_out = splits["val"] + setup.data.test_tasks()
+    model_path = setup.model.prepare(training_corpus([], splits["train"], held_out, splits["train"]))  # built here
     if Path(model_path).exists():  # a local directory, as every Ray process sees it (their working directories vary)
         model_path = str(Path(model_path).resolve())
-    setup.model.path = model_path  # the workers load what was built
-    setup.groups["model"]["path"] = model_path
     run_path = setup.run.path.resolve()
-    files = write_inputs(backend, setup, run_path / "verl")
+    files = write_inputs(setup, splits, model_path, run_path / "verl")
     model = ModelSource(model_path, setup.model.attn_implementation)
-    return build_verl_config(model, setup.finetune, setup.algorithm, backend, files, run_path, setup.seed)
+    config = build_verl_config(model, setup.finetune, setup.algorithm, backend, files, run_path, setup.seed)
+    return config, {f"{split}_tasks": len(tasks) for split, tasks in splits.items()}
 
 
 def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
     run = setup.run
-    config = verl_setup(backend, setup)
+    config, counts = verl_setup(backend, setup)
     OmegaConf.save(config, run.path / "verl_config.yaml")
     results: dict[str, Any] = {
         "verl_config": str(run.path / "verl_config.yaml"),
-        "train_tasks": len(setup.data.train_tasks()),
-        "val_tasks": len(setup.data.val_tasks()),
+        **counts,
         "is_correction": setup.algorithm.is_correction,
     }
     if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS") and start_ray_cluster() == "local":
@@ -134,14 +132,13 @@ def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
         run_ppo(config, task_runner_class=TaskRunner)
     finally:
         ray.shutdown()
-    steps = copy_metrics(verl_metrics, run)
-    return results | {"fit": "completed", "train_s": round(time.monotonic() - start, 1), "verl_steps": steps}
+    copy_metrics(verl_metrics, run)
+    return results | {"fit": "completed", "train_s": round(time.monotonic() - start, 1)}
 
 
-def copy_metrics(verl_metrics: Path, run: Any) -> int:
+def copy_metrics(verl_metrics: Path, run: Any) -> None:
     """verl's per-step log into metrics.jsonl: our names where they mean the same (METRIC_NAMES), verl's otherwise;
-    validation (`val-core/<source>/reward/mean@1`) as `val/reward_mean`. Returns the training steps logged."""
-    steps = 0
+    validation (`val-core/<source>/reward/mean@1`) as `val/reward_mean`."""
     for line in verl_metrics.read_text().splitlines() if verl_metrics.exists() else []:
         record = json.loads(line)
         data: dict[str, Any] = record["data"]
@@ -149,6 +146,4 @@ def copy_metrics(verl_metrics: Path, run: Any) -> int:
         rewards = [v for k, v in data.items() if k.startswith("val-core/") and k.endswith("/reward/mean@1")]
         if rewards:
             metrics["val/reward_mean"] = sum(rewards) / len(rewards)
-        steps += "train/reward_mean" in metrics or "rollout/excluded_rate" in metrics
         run.log(int(record["step"]), metrics)
-    return steps
