@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -114,6 +115,7 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> li
 
 def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     run_dir = out_dir / variant.replace(":", "-")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run left there would refuse other settings, or be resumed
     one_rank = variant.partition(":")[0] == "fsdp2x1"  # a rank of its own: it writes ranks/results.json
     env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
     if one_rank:
