@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,16 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from verl.experimental.agent_loop import agent_loop as verl_loop
+from verl.trainer.ppo import rollout_corr_helper
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
 
 from backends.samples import sample_of
 from backends.trl.rollouts import run_on_server
+from backends.verl import runner
 from backends.verl.loop import FAIL_CLOSED_GRPO, LOOP_NAME, loop_config, task_row
+from backends.verl.runner import step_metrics
 from inference.policy_server import PolicyServer, eos_ids_of
 from models.chat import ChatFormat
 from tests.conftest import ROOT, micro_tiny
@@ -206,7 +210,9 @@ class ById:
         return REWARDS[task["id"]]
 
 
-def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_baseline(tmp_path: Path) -> None:
+def two_turn_batch(tmp_path: Path, ids: list[str], uids: list[str], aborted: tuple[int, ...] = ()) -> Any:
+    """verl's batch of TwoTurns rollouts of the tasks `ids` (groups `uids`) rewarded ById by a micro tiny model's
+    scripted replies; the calls numbered in `aborted` come back aborted."""
     corpus = ["How many people are there?", "Again.", "SELECT count(*) FROM people"] * 10
     spec = micro_tiny(tmp_path)
     source = spec.prepare(corpus)
@@ -221,13 +227,17 @@ def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_bas
         reward_timeout_s=5.0,
         eos_ids=sorted(eos_ids_of(model.generation_config, tokenizer)),
     )
+    replies = ["SELECT count(*) FROM people", "Again."] * len(ids)
+    servers = ScriptedServers(ScriptedEngine(tokenizer, replies), aborted=aborted)
+    return run_in_verl(verl_worker(tokenizer, entry, servers), [{"id": i, "question": "How many?"} for i in ids], uids)
+
+
+def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_baseline(tmp_path: Path) -> None:
     # group A: two rollouts that train (rewards 1, 0), one whose agent fails, one whose reward fails; group B: two
     # that train and one whose first call verl aborted (the 12th call)
     ids = ["r0", "agent fails", "r1", "reward fails", "r3", "r4", "aborted"]
     uids = ["A", "A", "A", "A", "B", "B", "B"]
-    replies = ["SELECT count(*) FROM people", "Again."] * len(ids)
-    servers = ScriptedServers(ScriptedEngine(tokenizer, replies), aborted=(11,))
-    batch = run_in_verl(verl_worker(tokenizer, entry, servers), [{"id": i, "question": "How many?"} for i in ids], uids)
+    batch = two_turn_batch(tmp_path, ids, uids, aborted=(11,))
 
     excluded = batch.non_tensor_batch["excluded"].tolist()
     assert excluded == ["", "agent_error", "", "reward_error", "", "", "agent_error"]
@@ -248,3 +258,35 @@ def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_bas
     counted, _ = compute_grpo_outcome_advantage(rewards, mask, np.array(uids))
     assert not torch.allclose(counted[0], advantages[0])
     assert json.dumps(batch.non_tensor_batch["llm_calls"].tolist()) == "[2, 1, 2, 2, 2, 2, 0]"
+    # the step's log (FailClosedTrainer): the excluded share by reason, means over the rollouts that train
+    batch.batch["token_level_scores"] = rewards
+    metrics = step_metrics(batch)
+    assert metrics["rollout/excluded_rate"] == pytest.approx(3 / 7)
+    assert metrics["rollout/excluded_agent_error_rate"] == 2 / 7
+    assert metrics["rollout/excluded_reward_error_rate"] == 1 / 7
+    assert metrics["train/reward_mean"] == pytest.approx(np.mean([REWARDS[i] for i in ("r0", "r1", "r3", "r4")]))
+    assert metrics["rollout/llm_calls_mean"] == 2.0
+
+
+class NoUpdate:
+    """verl's actor worker group, which a step where nothing trains must not reach."""
+
+    def update_actor(self, batch: Any) -> Any:
+        raise AssertionError("the actor was updated on a step where no rollout trains")
+
+
+def test_a_step_where_every_rollout_is_excluded_updates_nothing_and_says_so(tmp_path: Path) -> None:
+    batch = two_turn_batch(tmp_path, ["agent fails", "reward fails"], ["A", "A"])
+    batch.batch["token_level_scores"] = batch.batch["rm_scores"]
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+    correction = OmegaConf.create({"rollout_is": "token", "rollout_is_threshold": 2.0})
+    with pytest.raises(ValueError, match="at least one valid token"):  # verl's own check, which ours steps around
+        runner._verl_rollout_correction(batch, correction)
+    # what verl's fit() calls (imported from the module at each step), and its update
+    corrected, is_metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(batch, correction)
+    assert corrected is batch and is_metrics == {} and "rollout_is_weights" not in batch.batch
+    trainer = runner.FailClosedTrainer.__new__(runner.FailClosedTrainer)
+    trainer.actor_rollout_wg = NoUpdate()
+    metrics = trainer._update_actor(batch).meta_info["metrics"]
+    assert metrics["train/update_skipped"] == 1.0 and metrics["rollout/excluded_rate"] == 1.0
+    assert math.isnan(metrics["train/reward_mean"]) and math.isnan(metrics["rollout/model_tokens_mean"])

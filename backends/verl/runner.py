@@ -4,6 +4,10 @@
 imported in the actor's process, which registers the advantage estimator `grpo_fail_closed` where verl computes
 advantages; and the trainer is `FailClosedTrainer`, which logs each step's fail-closed bookkeeping beside verl's
 metrics (verl's own reward and length metrics count the excluded rows, with their reward 0 and one token).
+
+A step whose rollouts are all excluded has no token to train: its rollout correction is skipped (verl's raises without a
+token; `rollout_correction`) and so is its update (`FailClosedTrainer._update_actor`): the weights, optimizer and
+learning-rate schedule stay as they were, and the step logs `train/update_skipped` 1 with its exclusion rates.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 import numpy as np
 import ray
 from omegaconf import DictConfig, OmegaConf
+from verl.protocol import DataProto
 from verl.trainer.main_ppo_v0 import TaskRunner as VerlTaskRunner
+from verl.trainer.ppo import rollout_corr_helper
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_critic, need_reference_policy
 
@@ -46,11 +52,35 @@ def step_metrics(batch: Any) -> dict[str, float]:
     return metrics
 
 
+def nothing_trains(batch: Any) -> bool:
+    """Whether no token of the step's batch trains (every rollout excluded)."""
+    return not bool(batch.batch["response_mask"].any())
+
+
+_verl_rollout_correction = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+
+
+def rollout_correction(batch: Any, config: Any) -> tuple[Any, dict[str, float]]:
+    """verl's rollout correction (IS weights and their metrics), except on a step where nothing trains: there is no
+    token to weigh, and verl's raises without one."""
+    if nothing_trains(batch):
+        return batch, {}
+    return _verl_rollout_correction(batch, config)
+
+
+# verl's fit() imports it from the module at each step: this process's steps use ours
+rollout_corr_helper.compute_rollout_correction_and_add_to_batch = rollout_correction
+
+
 class FailClosedTrainer(RayPPOTrainer):
-    """verl's PPO trainer, logging `step_metrics` with each actor update."""
+    """verl's PPO trainer, logging `step_metrics` with each actor update and skipping the update of a step where
+    nothing trains."""
 
     def _update_actor(self, batch: Any) -> Any:
         ours = step_metrics(batch)
+        ours["train/update_skipped"] = float(nothing_trains(batch))
+        if nothing_trains(batch):  # no token, no loss: verl's mean over zero tokens would be 0/0
+            return DataProto.from_single_dict(data={}, meta_info={"metrics": ours})
         output = super()._update_actor(batch)
         output.meta_info["metrics"].update(ours)
         return output
