@@ -4,6 +4,8 @@ groups and validated by us and by verl; bad keys are named before anything is bu
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -11,7 +13,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from tests.conftest import launch
+from tests.conftest import ROOT, launch
 
 pytestmark = pytest.mark.integration
 
@@ -74,3 +76,22 @@ def test_fit_false_stops_before_ray(tmp_path: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["fit"].startswith("skipped")
     assert (summary["train_tasks"], summary["val_tasks"]) == (24, 4) and (run_dir / "verl_config.yaml").is_file()
+
+
+def test_the_ray_worker_hook_imports_nothing_that_starts_cuda_and_hides_trl_from_verl_once_imported() -> None:
+    # a fresh interpreter, as a Ray worker process starts: the hook runs before Ray sets the actor's GPUs, so it may
+    # not import torch or verl (their import starts CUDA with every GPU visible); verl imported later is patched
+    script = (
+        "import sys\n"
+        "from backends.verl.compat import worker_setup\n"
+        "worker_setup(); worker_setup()\n"
+        "print(sorted(m for m in ('torch', 'verl') if m in sys.modules))\n"
+        "import importlib.util\n"
+        "print(importlib.util.find_spec('trl') is not None)\n"
+        "from verl.utils.import_utils import is_trl_available\n"
+        "print(is_trl_available())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["[]", "True", "False"], done.stderr
