@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import agent.rollout  # noqa: E402
 from agent.spider_sql import CORRECT, INCORRECT  # noqa: E402
+from backends.sft import demonstration_texts  # noqa: E402
 from backends.trl.rollouts import run_on_server  # noqa: E402
-from backends.trl.sft import demonstration_texts  # noqa: E402
 from inference.engine import Completion  # noqa: E402
 from inference.policy_server import PolicyServer  # noqa: E402
 from rewards.exec_match import clear_gold_cache  # noqa: E402

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from backends.trl.sft import SFTWarmstart
+from backends.sft import SFTWarmstart
 from data import dbbench, med_qa, spider_mini
 from data.dbbench import DBBenchData
 from data.med_qa import MedQAData

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from backends.samples import Sample, flatten
-from backends.trl.sft import trainable_demos
+from backends.sft import trainable_demos
 from experiments.config import build_components
 from inference.engine import Completion
 from inference.policy_server import PolicyServer

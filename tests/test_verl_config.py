@@ -69,13 +69,24 @@ def test_a_bad_key_is_named(override: str, named: str, inputs_written: bool, tmp
     assert (run_dir / "verl").exists() == inputs_written
 
 
-def test_fit_false_stops_before_ray(tmp_path: Path) -> None:
+def test_a_warm_start_trains_before_ray_and_verl_starts_from_it_and_fit_false_stops_there(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    result = launch([*VERL, *DATA, "backend.fit=false", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
+    args = [*VERL, *DATA, "warmstart=sft_smoke", "warmstart.task_share=0.5", "backend.fit=false"]
+    result = launch([*args, f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["fit"].startswith("skipped")
-    assert (summary["train_tasks"], summary["val_tasks"]) == (24, 4) and (run_dir / "verl_config.yaml").is_file()
+    # the warm start's half of the training tasks (stratified), GRPO's the other half
+    assert (summary["warmstart_tasks"], summary["train_tasks"], summary["val_tasks"]) == (12, 12, 4)
+    sft = summary["sft"]
+    checkpoint = run_dir / "checkpoints" / "sft"
+    assert sft["checkpoint"] == str(checkpoint) and sft["trained_tokens"] > 0 and sft["weights_sha256"]
+    assert (checkpoint / "config.json").is_file()
+    config = OmegaConf.load(run_dir / "verl_config.yaml")
+    assert config.actor_rollout_ref.model.path == str(checkpoint.resolve())  # verl's actor and servers load it
+    [entry] = yaml.safe_load(Path(config.actor_rollout_ref.rollout.agent.agent_loop_config_path).read_text())
+    assert entry["model"]["path"] == str(checkpoint.resolve())  # and the agent loop's tokenizer
+    assert len(pd.read_parquet(config.data.train_files)) == 12
 
 
 def test_the_ray_worker_hook_imports_nothing_that_starts_cuda_and_hides_trl_from_verl_once_imported() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig
@@ -36,14 +36,14 @@ from agent.rollout import EvalSummary
 from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
 from backends.memory import DeviceMemory, Setting, Shape, explain, plan_memory
+from backends.progress import show_progress
 from backends.setup import TrainSetup
+from backends.sft import SFTWarmstart, agreed, run_tasks, supervised, warm_start, weights_digest
 from backends.trl.fsdp import OFFLOADS, SHARDINGS, OptimizerOffload, fsdp_arguments
 from backends.trl.pool import filtered_pool, pool_key, sample_pool
-from backends.trl.progress import show_progress
 from backends.trl.rollouts import AgentRollouts, on_any_rank, task_prompt, validate_policy
-from backends.trl.sft import SFTWarmstart, demonstration_texts, supervised, weights_digest
 from backends.trl.trainer import AgentGRPOTrainer
-from data.splits import KIND, kind_distance, training_corpus
+from data.splits import KIND, kind_distance
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.ranks import is_main, local_rank, started_by_launcher, world_size
@@ -165,16 +165,11 @@ class TRLBackend:
         random.seed(setup.seed)
         torch.manual_seed(setup.seed)
         warm = isinstance(setup.warmstart, SFTWarmstart)
-        warm_seed = setup.warmstart.seed if warm and setup.warmstart.seed is not None else setup.seed
         with first:
-            train_tasks, val_tasks = setup.data.train_tasks(), setup.data.val_tasks()
-            test_tasks = setup.data.test_tasks()
-            all_train, split_seed = train_tasks, setup.data.split_seed
-            warm_tasks, train_tasks = setup.warmstart.split(train_tasks, split_seed) if warm else ([], train_tasks)
-            demos = setup.warmstart.demonstrations(setup.agent, warm_tasks, warm_seed) if warm else []
-            demo_texts = [text for demo in demos for text in demonstration_texts(demo)]
-            source = setup.model.prepare(training_corpus(demo_texts, train_tasks, val_tasks + test_tasks, all_train))
-            test_tasks = test_tasks if algo.test_at_end else []
+            tasks = run_tasks(setup)
+        warm_tasks, train_tasks, val_tasks, demos = tasks.warm, tasks.train, tasks.val, tasks.demos
+        source = tasks.source
+        test_tasks = tasks.test if algo.test_at_end else []
         metric = setup.data.metric()
         compute_dtype = setup.model.compute_dtype(device)  # the model's as loaded (FSDP2 keeps fp32 masters beside)
         resume_from = last_complete_checkpoint(run.checkpoints)
@@ -237,39 +232,14 @@ class TRLBackend:
 
         max_length = algo.max_prompt_length + algo.max_response_length
         use_bf16 = device.startswith("cuda")
-        model = None
+        begin = warm_start(
+            setup, tasks, tokenizer, device, max_length=max_length, use_bf16=use_bf16, resuming=resume_from is not None
+        )
         if warm:
-            sft_dir = setup.warmstart.checkpoint_dir(run.checkpoints, source, demos, max_length, use_bf16, warm_seed)
-            with setup.warmstart.exclusive(sft_dir):
-                if resume_from is None and not _agreed(_is_model(sft_dir)):  # a model that needs a warm start
-                    run.phase = "warm start (SFT)"  # scores 0 before it: not worth validating
-                    start = time.monotonic()
-                    base = setup.model.load_model(source, device)
-                    parameters = base.num_parameters()  # before any rank shards it
-                    model, sft_tokens = setup.warmstart.train(
-                        base,
-                        tokenizer,
-                        demos,
-                        sft_dir,
-                        run.path / "sft_metrics.jsonl",
-                        warm_seed,
-                        use_bf16=use_bf16,
-                        max_length=max_length,
-                    )
-                    results["sft"] = {
-                        "wall_s": time.monotonic() - start,
-                        "trained_tokens": sft_tokens,
-                        "flops": 6 * parameters * sft_tokens,  # backends/compute.py's count: every weight trains
-                    }
-            results["sft"] = results.get("sft", {"reused": True}) | {
-                "demonstrations": len(demos),
-                "checkpoint": str(sft_dir),
-                "weights_sha256": weights_digest(sft_dir) if is_main() and _is_model(sft_dir) else None,
-            }
-        if warm and model is None and not _is_model(sft_dir):  # resumed: a LoRA checkpoint holds no base model
-            raise RuntimeError(f"resuming from {resume_from}: its warm start {sft_dir} is gone (build it again first)")
-        if model is None:
-            model = setup.model.load_model(str(sft_dir) if warm else source, device)
+            results["sft"] = begin.record
+        model = (
+            begin.model if begin.model is not None else setup.model.load_model(str(begin.checkpoint or source), device)
+        )
         compute = ComputeCount(model.num_parameters(), 4 if setup.finetune.peft_config() is not None else 6)
         resumed_at = int(Path(resume_from).name.split("-")[-1]) if resume_from is not None else 0  # its step
         if resume_from is None:
@@ -283,12 +253,12 @@ class TRLBackend:
             results["resumed_from"] = Path(resume_from).name
         results["arm"] = algo.name
         if algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart"):
-            start = weights_digest(sft_dir) if warm else f"untrained {source}"
+            start = weights_digest(begin.checkpoint) if begin.checkpoint else f"untrained {source}"
             train_tasks, results["pool"] = self._pool(model, tokenizer, setup, train_tasks, start, metric, device)
             results["train_tasks"] = len(train_tasks)
         if is_main():  # once the tasks RL trains on are known
             phases = (warm_tasks, train_tasks, val_tasks, test_tasks)
-            write_splits(run.path / "splits.json", split_seed, *phases, pool=results.get("pool"))
+            write_splits(run.path / "splits.json", tasks.split_seed, *phases, pool=results.get("pool"))
         if isinstance(algo, SFTControl):  # the warm start's demonstrations, or those of the tasks GRPO trains on
             if algo.sft_demos == "rl" and warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
@@ -447,7 +417,7 @@ class TRLBackend:
         pools = Path(setup.warmstart.cache_dir) / "pools" if setup.warmstart is not None else setup.run.checkpoints
         path = pools / f"pool-{pool_key(start, tasks, settings)}.json"
         server = None
-        if _agreed(not path.is_file()):  # every rank loads (a sharded model's weights are gathered by all)
+        if agreed(not path.is_file()):  # every rank loads (a sharded model's weights are gathered by all)
             policy = self.weights(device, setup.model.compute_dtype(device)).for_generation(model)
             server = self._server(policy, tokenizer, setup)
             server.load(policy)
@@ -463,7 +433,7 @@ class TRLBackend:
 
         if is_main():
             pool, record = filtered_pool(tasks, path, sample, exclusive=world_size() == 1)
-        _agreed(True)  # the other ranks wait here for rank 0's file
+        agreed(True)  # the other ranks wait here for rank 0's file
         if not is_main():
             pool, record = filtered_pool(tasks, path, sample, exclusive=False)
         return pool, record
@@ -587,19 +557,6 @@ def _per_rank(value: Any) -> list[Any]:
     return gather_object([value]) if world_size() > 1 else [value]
 
 
-def _is_model(path: Path) -> bool:
-    return (path / "config.json").is_file()
-
-
-def _agreed(flag: bool) -> bool:
-    """Rank 0's value on every rank (one process: the value)."""
-    if world_size() == 1:
-        return flag
-    box = [flag]
-    broadcast_object_list(box, from_process=0)
-    return bool(box[0])
-
-
 def _passthrough_reward(name: str) -> Any:
     """TRL reward function returning the reward the rollout already computed (named after the reward, for logs)."""
 
@@ -648,7 +605,7 @@ class _Budget(TrainerCallback):
         algo, step = self.setup.algorithm, state.global_step
         budget = algo.time_budget_s
         spent = (budget is not None and self.train_s >= budget) or self.compute.spent(algo.flops_budget)
-        last = step == state.max_steps or _agreed(spent)
+        last = step == state.max_steps or agreed(spent)
         if last or step % algo.sft_val_every == 0:
             metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss, **self.compute.metrics()}
             start = time.perf_counter()
@@ -719,7 +676,7 @@ class _StepLog(TrainerCallback):
         """Whether the time or FLOPs budget is spent, rank 0's verdict on every rank (a collective)."""
         algo = self.setup.algorithm
         spent = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
-        return _agreed(spent or self.compute.spent(algo.flops_budget))
+        return agreed(spent or self.compute.spent(algo.flops_budget))
 
     def _timings(self) -> dict[str, float]:
         rollout = self.stats.get("timing_s/rollout", 0.0) + self.stats.get("timing_s/weight_sync", 0.0)

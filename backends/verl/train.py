@@ -12,6 +12,7 @@ point joins it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -24,10 +25,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.ray_cluster import start_ray_cluster
 from backends.setup import TrainSetup
+from backends.sft import RunTasks, WarmStart, run_tasks, warm_start
 from backends.verl.config import ModelSource, build_verl_config, check_algorithm, check_shape
 from backends.verl.loop import loop_config, task_row
-from data.splits import training_corpus
-from foundation.errors import ConfigError
 from inference.policy_server import eos_ids_of
 from models.hub import HubModel, offline
 
@@ -85,34 +85,61 @@ def eos_ids(model: HubModel, source: str) -> list[int]:
     return sorted(eos_ids_of(generation, model.load_tokenizer(source)))
 
 
-def verl_setup(backend: Any, setup: TrainSetup) -> tuple[DictConfig, dict[str, int]]:
+def verl_setup(
+    backend: Any, setup: TrainSetup, tasks: RunTasks | None = None, begin: WarmStart | None = None
+) -> tuple[DictConfig, dict[str, int]]:
     """The run's inputs written and verl's config built and validated (what job=validate checks too); the config
-    and the tasks per split."""
-    if setup.warmstart is not None:
-        raise ConfigError(f"warmstart={setup.warmstart.name}: backend=verl starts from model= (add warmstart=none)")
+    and the tasks per split. `tasks`: the run's (`run_tasks`, made here if not given); `begin`: the warm start GRPO
+    starts from (`train_verl` runs it; job=validate checks the config with the prepared model instead)."""
     check_algorithm(setup.algorithm)  # before anything is written or built
     check_shape(setup.finetune, setup.algorithm, backend)
-    splits = {"train": setup.data.train_tasks(), "val": setup.data.val_tasks()}
-    held_out = splits["val"] + setup.data.test_tasks()
-    model_path = setup.model.prepare(training_corpus([], splits["train"], held_out, splits["train"]))  # built here
+    tasks = tasks or run_tasks(setup)
+    model_path = str(begin.checkpoint) if begin is not None and begin.checkpoint is not None else tasks.source
     if Path(model_path).exists():  # a local directory, as every Ray process sees it (their working directories vary)
         model_path = str(Path(model_path).resolve())
     run_path = setup.run.path.resolve()
-    files = write_inputs(setup, splits, model_path, run_path / "verl")
+    files = write_inputs(setup, {"train": tasks.train, "val": tasks.val}, model_path, run_path / "verl")
     model = ModelSource(model_path, setup.model.attn_implementation)
     config = build_verl_config(model, setup.finetune, setup.algorithm, backend, files, run_path, setup.seed)
-    return config, {f"{split}_tasks": len(tasks) for split, tasks in splits.items()}
+    counts = {"train_tasks": len(tasks.train), "val_tasks": len(tasks.val), "warmstart_tasks": len(tasks.warm)}
+    return config, counts
+
+
+def verl_warm_start(setup: TrainSetup, tasks: RunTasks) -> WarmStart:
+    """The warm start phase (`backends.sft.warm_start`) in this process, before Ray: on the GPU if there is one, whose
+    memory it gives back before verl's workers start."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    algo = setup.algorithm
+    warmstart = setup.warmstart
+    tokenizer = setup.model.load_tokenizer(warmstart.path if getattr(warmstart, "path", None) else tasks.source)
+    max_length = algo.max_prompt_length + algo.max_response_length
+    begin = warm_start(
+        setup, tasks, tokenizer, device, max_length=max_length, use_bf16=device == "cuda", resuming=False
+    )
+    begin.model = None  # verl's workers load the checkpoint
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+    return begin
 
 
 def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
     run = setup.run
-    config, counts = verl_setup(backend, setup)
+    check_algorithm(setup.algorithm)  # before the warm start trains
+    check_shape(setup.finetune, setup.algorithm, backend)
+    tasks = run_tasks(setup)
+    begin = verl_warm_start(setup, tasks)
+    config, counts = verl_setup(backend, setup, tasks, begin)
     OmegaConf.save(config, run.path / "verl_config.yaml")
     results: dict[str, Any] = {
         "verl_config": str(run.path / "verl_config.yaml"),
         **counts,
         "is_correction": setup.algorithm.is_correction,
     }
+    if begin.checkpoint is not None:
+        results["sft"] = begin.record
     if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS") and start_ray_cluster() == "local":
         raise RuntimeError(
             f"resources.nodes={backend.nodes}, but this is not a job of several SLURM nodes: run it with "

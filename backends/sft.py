@@ -1,4 +1,5 @@
-"""Warm start: supervised fine-tuning on demonstrations of the agent, before RL (`conf/warmstart/sft.yaml`).
+"""Warm start: supervised fine-tuning on demonstrations of the agent, before RL (`conf/warmstart/sft.yaml`), a phase
+every backend runs the same way (`run_tasks`, then `warm_start`); and the supervised trainer the control arms use.
 
 A random-init model calls no tools and writes no SQL, so GRPO alone would never see a reward. The demonstrations are
 the agent's own conversations: the unchanged agent runs against an in-process scripted endpoint that replays the
@@ -21,19 +22,22 @@ import logging
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from accelerate.utils import broadcast_object_list
 from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
-from backends.trl.progress import show_progress
-from data.splits import stratified_split
+from backends.progress import show_progress
+from backends.setup import TrainSetup
+from data.splits import stratified_split, training_corpus
 from foundation.errors import ConfigError
 from foundation.ranks import is_main, world_size
 from foundation.schema import number
@@ -219,6 +223,109 @@ class SFTWarmstart:
             shutil.rmtree(output_dir, ignore_errors=True)  # what an attempt that died left, never a model
             staging.rename(output_dir)
         return trainer.model, trainer._total_train_tokens
+
+
+@dataclass
+class RunTasks:
+    """A run's tasks by phase, the warm start's demonstrations, and the model they prepared (`model.prepare`: a
+    built model's tokenizer is trained on the demonstrations and training tasks only)."""
+
+    warm: list[dict[str, Any]]  # the warm start's (all the training tasks unless warmstart.task_share/rl_tasks)
+    train: list[dict[str, Any]]  # what RL (and the control arms) train on
+    val: list[dict[str, Any]]
+    test: list[dict[str, Any]]
+    split_seed: int  # data.split_seed
+    demos: list[Demonstration] = field(default_factory=list)
+    source: str = ""  # the model's weights and tokenizer before any training (a hub id or a directory)
+
+
+def run_tasks(setup: TrainSetup) -> RunTasks:
+    """The run's tasks between its phases (`SFTWarmstart.split`), the warm start's demonstrations, and the model
+    prepared for them (built here for model=tiny)."""
+    warmstart = setup.warmstart if isinstance(setup.warmstart, SFTWarmstart) else None
+    train, val, test = setup.data.train_tasks(), setup.data.val_tasks(), setup.data.test_tasks()
+    split_seed = setup.data.split_seed
+    warm, rl = warmstart.split(train, split_seed) if warmstart else ([], train)
+    seed = warmstart.seed if warmstart and warmstart.seed is not None else setup.seed
+    demos = warmstart.demonstrations(setup.agent, warm, seed) if warmstart else []
+    texts = [text for demo in demos for text in demonstration_texts(demo)]
+    source = setup.model.prepare(training_corpus(texts, rl, val + test, train))
+    return RunTasks(warm, rl, val, test, split_seed, demos, source)
+
+
+@dataclass
+class WarmStart:
+    """Where GRPO starts: the warm start's checkpoint (None: the prepared model itself), the model if this run trained
+    it (still in memory), and what the summary records of it (`sft`)."""
+
+    checkpoint: Path | None
+    model: PreTrainedModel | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def warm_start(
+    setup: TrainSetup,
+    tasks: RunTasks,
+    tokenizer: PreTrainedTokenizerBase,
+    device: str,
+    *,
+    max_length: int,
+    use_bf16: bool,
+    resuming: bool,
+) -> WarmStart:
+    """The warm start phase: with warmstart=sft, the SFT checkpoint (`SFTWarmstart.checkpoint_dir`), trained here on
+    `tasks.demos` unless it exists (`warmstart.path`, shared, this run's own) or the run resumes from a later one;
+    with warmstart=none nothing. Every rank of a run calls it (they train together)."""
+    warmstart = setup.warmstart
+    if not isinstance(warmstart, SFTWarmstart):
+        return WarmStart(None)
+    run = setup.run
+    seed = warmstart.seed if warmstart.seed is not None else setup.seed
+    checkpoint = warmstart.checkpoint_dir(run.checkpoints, tasks.source, tasks.demos, max_length, use_bf16, seed)
+    model, record = None, {}
+    with warmstart.exclusive(checkpoint):
+        if not resuming and not agreed(is_model(checkpoint)):  # a model that needs a warm start
+            run.phase = "warm start (SFT)"  # scores 0 before it: not worth validating
+            start = time.monotonic()
+            base = setup.model.load_model(tasks.source, device)
+            parameters = base.num_parameters()  # before any rank shards it
+            model, tokens = warmstart.train(
+                base,
+                tokenizer,
+                tasks.demos,
+                checkpoint,
+                run.path / "sft_metrics.jsonl",
+                seed,
+                use_bf16=use_bf16,
+                max_length=max_length,
+            )
+            record = {
+                "wall_s": time.monotonic() - start,
+                "trained_tokens": tokens,
+                "flops": 6 * parameters * tokens,  # backends/compute.py's count: every weight trains
+            }
+    if model is None and not is_model(checkpoint):  # resumed: a LoRA checkpoint holds no base model
+        raise RuntimeError(f"resuming: the run's warm start {checkpoint} is gone (build it again first)")
+    record = (record or {"reused": True}) | {
+        "demonstrations": len(tasks.demos),
+        "checkpoint": str(checkpoint),
+        "weights_sha256": weights_digest(checkpoint) if is_main() and is_model(checkpoint) else None,
+    }
+    return WarmStart(checkpoint, model, record)
+
+
+def is_model(path: Path) -> bool:
+    """Whether `path` holds a model checkpoint."""
+    return (path / "config.json").is_file()
+
+
+def agreed(flag: bool) -> bool:
+    """Rank 0's value on every rank (one process: the value)."""
+    if world_size() == 1:
+        return flag
+    box = [flag]
+    broadcast_object_list(box, from_process=0)
+    return bool(box[0])
 
 
 def trainable_demos(demos: list[Demonstration], tokenizer: PreTrainedTokenizerBase) -> list[Demonstration]:
