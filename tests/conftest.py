@@ -21,6 +21,8 @@ from fastapi import FastAPI
 from models.tiny import TinyModel
 
 ROOT = Path(__file__).resolve().parent.parent
+# the repository's folders are the import names (nothing is installed): processes the tests start find them too
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 # A GRPO run small enough for a test (conf/experiment/smoke.yaml: 5 SFT steps, 2 tasks x 2 rollouts, 2 steps) with the
 # Spider agent's multi-turn path (check, rewrite: tool text between turns masked from the loss) on a small data set.
