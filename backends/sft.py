@@ -29,9 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from accelerate.utils import broadcast_object_list
-from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
-from trl import SFTConfig, SFTTrainer
 
 from agent.rollout import Agent
 from agent.scripted import ReplayChat
@@ -264,7 +262,10 @@ class WarmStart:
 
 
 def warm_start(
-    setup: TrainSetup,
+    warmstart: Any,
+    model_spec: Any,
+    run: Any,
+    seed: int,
     tasks: RunTasks,
     tokenizer: PreTrainedTokenizerBase,
     device: str,
@@ -273,21 +274,20 @@ def warm_start(
     use_bf16: bool,
     resuming: bool,
 ) -> WarmStart:
-    """The warm start phase: with warmstart=sft, the SFT checkpoint (`SFTWarmstart.checkpoint_dir`), trained here on
-    `tasks.demos` unless it exists (`warmstart.path`, shared, this run's own) or the run resumes from a later one;
-    with warmstart=none nothing. Every rank of a run calls it (they train together)."""
-    warmstart = setup.warmstart
+    """The warm start phase: with warmstart=sft (`warmstart`), the SFT checkpoint (`SFTWarmstart.checkpoint_dir`),
+    trained here from `model_spec` on `tasks.demos` unless it exists (`warmstart.path`, shared, this run's own) or the
+    run resumes from a later one; with warmstart=none nothing. `run`: the run directory; `seed`: the run's (the warm
+    start's own if it has one). Every rank of a run calls it (they train together)."""
     if not isinstance(warmstart, SFTWarmstart):
         return WarmStart(None)
-    run = setup.run
-    seed = warmstart.seed if warmstart.seed is not None else setup.seed
+    seed = warmstart.seed if warmstart.seed is not None else seed
     checkpoint = warmstart.checkpoint_dir(run.checkpoints, tasks.source, tasks.demos, max_length, use_bf16, seed)
     model, record = None, {}
     with warmstart.exclusive(checkpoint):
         if not resuming and not agreed(is_model(checkpoint)):  # a model that needs a warm start
             run.phase = "warm start (SFT)"  # scores 0 before it: not worth validating
             start = time.monotonic()
-            base = setup.model.load_model(tasks.source, device)
+            base = model_spec.load_model(tasks.source, device)
             parameters = base.num_parameters()  # before any rank shards it
             model, tokens = warmstart.train(
                 base,
@@ -305,7 +305,7 @@ def warm_start(
                 "flops": 6 * parameters * tokens,  # backends/compute.py's count: every weight trains
             }
     if model is None and not is_model(checkpoint):  # resumed: a LoRA checkpoint holds no base model
-        raise RuntimeError(f"resuming: the run's warm start {checkpoint} is gone (build it again first)")
+        raise RuntimeError(f"resuming {run.path}: its warm start {checkpoint} is gone (build it again first)")
     record = (record or {"reused": True}) | {
         "demonstrations": len(tasks.demos),
         "checkpoint": str(checkpoint),
@@ -360,8 +360,11 @@ def supervised(
     use_bf16: bool,
     max_length: int,
     callbacks: list[TrainerCallback],
-) -> SFTTrainer:
+) -> Any:
     """TRL's SFTTrainer on the assistant turns of `demos` (the warm start's, and the control arm's)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
     args = SFTConfig(
         output_dir=str(output_dir),
         max_steps=steps,

@@ -393,3 +393,13 @@ def test_presets_and_model_options_are_named_in_one_scheme(group: str) -> None:
     """Lowercase words joined by hyphens (a dot inside a version: qwen2.5), the aliases aside."""
     names = [name for name in options(group) if name not in RENAMED[group]]
     assert [n for n in names if not re.fullmatch(r"[a-z0-9.]+(-[a-z0-9.]+)*", n)] == []
+
+
+def test_a_config_recorded_before_the_warm_start_moved_still_builds_it() -> None:
+    # results/ and SLURM jobs submitted before the move name backends.trl.sft (kept for one release)
+    from hydra.utils import instantiate
+
+    from backends.sft import SFTWarmstart
+
+    recorded = {"_target_": "backends.trl.sft.SFTWarmstart", "steps": 5}
+    assert isinstance(instantiate(recorded), SFTWarmstart)

@@ -233,7 +233,16 @@ class TRLBackend:
         max_length = algo.max_prompt_length + algo.max_response_length
         use_bf16 = device.startswith("cuda")
         begin = warm_start(
-            setup, tasks, tokenizer, device, max_length=max_length, use_bf16=use_bf16, resuming=resume_from is not None
+            setup.warmstart,
+            setup.model,
+            run,
+            setup.seed,
+            tasks,
+            tokenizer,
+            device,
+            max_length=max_length,
+            use_bf16=use_bf16,
+            resuming=resume_from is not None,
         )
         if warm:
             results["sft"] = begin.record

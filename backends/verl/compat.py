@@ -44,9 +44,15 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+# verl's modules that bind `is_trl_available` by name (`from verl.utils.import_utils import is_trl_available`)
+BINDERS = ("verl.utils.model", "verl.models.transformers.monkey_patch")
+
+
 def worker_setup() -> None:
     """Applies `hide_trl` to verl in this process: now if verl is imported already, else when it is."""
     if PATCHED in sys.modules:
-        hide_trl(sys.modules[PATCHED])
+        for name in (PATCHED, *BINDERS):
+            if name in sys.modules:
+                hide_trl(sys.modules[name])
     elif not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())

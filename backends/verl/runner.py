@@ -77,9 +77,9 @@ class FailClosedTrainer(RayPPOTrainer):
     nothing trains."""
 
     def _update_actor(self, batch: Any) -> Any:
-        ours = step_metrics(batch)
-        ours["train/update_skipped"] = float(nothing_trains(batch))
-        if nothing_trains(batch):  # no token, no loss: verl's mean over zero tokens would be 0/0
+        skip = nothing_trains(batch)
+        ours = step_metrics(batch) | {"train/update_skipped": float(skip)}
+        if skip:  # no token, no loss: verl's mean over zero tokens would be 0/0
             return DataProto.from_single_dict(data={}, meta_info={"metrics": ours})
         output = super()._update_actor(batch)
         output.meta_info["metrics"].update(ours)

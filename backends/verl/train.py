@@ -12,10 +12,12 @@ point joins it.
 
 from __future__ import annotations
 
-import gc
 import json
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.ray_cluster import start_ray_cluster
 from backends.setup import TrainSetup
-from backends.sft import RunTasks, WarmStart, run_tasks, warm_start
+from backends.sft import RunTasks, SFTWarmstart, WarmStart, run_tasks, warm_start
 from backends.verl.config import ModelSource, build_verl_config, check_algorithm, check_shape
 from backends.verl.loop import loop_config, task_row
 from inference.policy_server import eos_ids_of
@@ -106,32 +108,73 @@ def verl_setup(
 
 
 def verl_warm_start(setup: TrainSetup, tasks: RunTasks) -> WarmStart:
-    """The warm start phase (`backends.sft.warm_start`) in this process, before Ray: on the GPU if there is one, whose
-    memory it gives back before verl's workers start."""
+    """The warm start phase (`backends.sft.warm_start`) before Ray, in a process of its own that sees one GPU (or the
+    CPU): this one may see every GPU of the node (TRL's SFT refuses several in one process) and has started CUDA on
+    them (verl's import does), and the warm start's GPU memory leaves with its process. A run verl resumes (a
+    checkpoint of its own in `checkpoints/`) keeps its warm start."""
+    if not isinstance(setup.warmstart, SFTWarmstart):
+        return WarmStart(None)
+    algo = setup.algorithm
+    job = partial(
+        _warm_start_alone,
+        setup.warmstart,
+        setup.model,
+        setup.run,
+        setup.seed,
+        tasks,
+        max_length=algo.max_prompt_length + algo.max_response_length,
+        resuming=(setup.run.checkpoints / "latest_checkpointed_iteration.txt").is_file(),
+    )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = (visible or "0").split(",")[0]  # what the process below inherits
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(job).result()
+    finally:  # Ray, started later from this process, counts the GPUs from it
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _warm_start_alone(
+    warmstart: SFTWarmstart, model: HubModel, run: Any, seed: int, tasks: RunTasks, max_length: int, resuming: bool
+) -> WarmStart:
+    """`warm_start` in the process `verl_warm_start` starts: on its GPU if it has one; the model stays here."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    algo = setup.algorithm
-    warmstart = setup.warmstart
-    tokenizer = setup.model.load_tokenizer(warmstart.path if getattr(warmstart, "path", None) else tasks.source)
-    max_length = algo.max_prompt_length + algo.max_response_length
+    tokenizer = model.load_tokenizer(warmstart.path or tasks.source)
     begin = warm_start(
-        setup, tasks, tokenizer, device, max_length=max_length, use_bf16=device == "cuda", resuming=False
+        warmstart,
+        model,
+        run,
+        seed,
+        tasks,
+        tokenizer,
+        device,
+        max_length=max_length,
+        use_bf16=device == "cuda",
+        resuming=resuming,
     )
     begin.model = None  # verl's workers load the checkpoint
-    if device == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
     return begin
 
 
 def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
     run = setup.run
-    check_algorithm(setup.algorithm)  # before the warm start trains
+    check_algorithm(setup.algorithm)  # before anything is written or built
     check_shape(setup.finetune, setup.algorithm, backend)
     tasks = run_tasks(setup)
+    config, counts = verl_setup(backend, setup, tasks)  # checked whole before the warm start trains
+    if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS") and start_ray_cluster() == "local":
+        raise RuntimeError(
+            f"resources.nodes={backend.nodes}, but this is not a job of several SLURM nodes: run it with "
+            "hydra/launcher=slurm, or start Ray across the nodes yourself and export RAY_ADDRESS"
+        )
     begin = verl_warm_start(setup, tasks)
-    config, counts = verl_setup(backend, setup, tasks, begin)
+    if begin.checkpoint is not None:  # verl's actor, servers and agent loop start from it
+        config, counts = verl_setup(backend, setup, tasks, begin)
     OmegaConf.save(config, run.path / "verl_config.yaml")
     results: dict[str, Any] = {
         "verl_config": str(run.path / "verl_config.yaml"),
@@ -140,11 +183,6 @@ def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
     }
     if begin.checkpoint is not None:
         results["sft"] = begin.record
-    if backend.nodes > 1 and not os.environ.get("RAY_ADDRESS") and start_ray_cluster() == "local":
-        raise RuntimeError(
-            f"resources.nodes={backend.nodes}, but this is not a job of several SLURM nodes: run it with "
-            "hydra/launcher=slurm, or start Ray across the nodes yourself and export RAY_ADDRESS"
-        )
     if not backend.fit:
         return results | {"fit": "skipped (backend.fit=false)"}
     import ray
