@@ -32,7 +32,6 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOConfig
 
-from agent.rollout import EvalSummary
 from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
 from backends.memory import DeviceMemory, Setting, Shape, explain, plan_memory
@@ -41,8 +40,9 @@ from backends.setup import TrainSetup
 from backends.sft import SFTWarmstart, agreed, run_tasks, supervised, warm_start, weights_digest
 from backends.trl.fsdp import OFFLOADS, SHARDINGS, OptimizerOffload, fsdp_arguments
 from backends.trl.pool import filtered_pool, pool_key, sample_pool
-from backends.trl.rollouts import AgentRollouts, on_any_rank, task_prompt, validate_policy
+from backends.trl.rollouts import AgentRollouts, on_any_rank, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
+from backends.trl.validation import Validation
 from data.splits import KIND, kind_distance
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
@@ -186,49 +186,22 @@ class TRLBackend:
         # what each GPU has in use from here on, per phase (start: loading, the first validation; rollout; update)
         memory = DeviceMemory(device).start() if device.startswith("cuda") else None
         # backend.offload=optimizer: the optimizer's state leaves the GPU whenever the engine is awake (rollouts, and
-        # validations during GRPO: `grpo` holds the trainer once it exists, whose optimizer exists once it trains)
+        # validations during GRPO: `validation.trainer` is the trainer once it exists, whose optimizer exists once it
+        # trains)
         offload = OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None
-        grpo: list[AgentGRPOTrainer] = []
         # algorithm.async_rollouts: the engine generates while the trainer updates, from a copy of the weights
         overlap = algo.overlapped
-
-        def validation(model: PreTrainedModel, name: str) -> dict[str, float]:
-            """Greedy validation with the optimizer's state out of the GPU (`backend.offload=optimizer`), once the
-            batch generating in the background (async rollouts) is done: validation loads the engine."""
-            if grpo:
-                grpo[0].rollout_func.settle()
-            if offload is None:
-                return validate(model, name)
-            with offload.out_of_gpu(grpo[0].optimizer if grpo else None):
-                return validate(model, name)
-
-        def validate(model: PreTrainedModel, name: str) -> dict[str, float]:
-            """Greedy validation; returns `val/*` metrics and keeps the summary and a few samples. Called on every
-            rank (a sharded model's weights are gathered by all); rank 0 alone validates, the other ranks go on to
-            the next step and wait for it there."""
-            policy = self.weights(device, compute_dtype, overlap).for_generation(model)
-            server = self._server(policy, tokenizer, setup)
-            server.load(policy)  # every rank: an engine with its own weights gathers sharded ones while it loads
-            if not is_main():
-                server.engine.sleep()
-                return {}
-            phase, run.phase = run.phase, f"validation ({name})"
-            splits = {"val": val_tasks} | ({"test": test_tasks} if name == "final" and test_tasks else {})
-            tasks = [task for split_tasks in splits.values() for task in split_tasks]  # one batch; test: at the end
-            start = time.monotonic()
-            _, rollouts = validate_policy(setup.agent, tasks, server, metric, algo.sampling(0.0), algo.reward_timeout_s)
-            server.engine.release()  # the validation batch's KV cache would otherwise stay through training
-            wall_s, metrics, done = time.monotonic() - start, {}, 0
-            for split, split_tasks in splits.items():
-                mine, done = rollouts[done : done + len(split_tasks)], done + len(split_tasks)
-                run.write_samples(f"{split}_{name}", [r.record() for r in mine[: self.samples_per_validation]])
-                summary, subsets = EvalSummary.of(mine, wall_s), EvalSummary.per_subset(mine)
-                results[f"{split}_{name}"] = vars(summary) | ({"subsets": subsets} if subsets else {})
-                metrics |= {f"{split}/{k}": v for k, v in vars(summary).items()}
-                for subset, scores in subsets.items():
-                    metrics |= {f"{split}/{subset}/accuracy": scores["accuracy"], f"{split}/{subset}/n": scores["n"]}
-            run.phase = phase
-            return metrics
+        validation = Validation(
+            setup,
+            val_tasks,
+            test_tasks,
+            metric,
+            generation_copy=self.weights(device, compute_dtype, overlap).for_generation,
+            server=lambda policy: self._server(policy, tokenizer, setup),
+            samples_kept=self.samples_per_validation,
+            results=results,
+            offload=offload,
+        )
 
         max_length = algo.max_prompt_length + algo.max_response_length
         use_bf16 = device.startswith("cuda")
@@ -304,7 +277,7 @@ class TRLBackend:
             lookahead=overlap,  # the next step's prompts, for the rollouts generated during this step's update
         )
         step_log.phase_s = trainer.phase_s
-        grpo.append(trainer)
+        validation.trainer = trainer
         step_log.nonfinite_steps = lambda: trainer.nonfinite_steps
         trainer.budget_spent = step_log.budget_spent  # a resumed run spent before its restart trains no step
         if resume_from is not None:  # the budgets count the training before the restart
