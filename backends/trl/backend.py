@@ -249,6 +249,55 @@ class TRLBackend:
                 memory.stop()
             return results | self._control(model, tokenizer, demos, setup, validation, use_bf16, max_length, compute)
 
+        trainer, rollout_func, results["grpo"] = self._grpo(
+            model,
+            tokenizer,
+            setup,
+            train_tasks,
+            validation,
+            compute,
+            memory=memory,
+            offload=offload,
+            resume_from=resume_from,
+            device=device,
+            compute_dtype=compute_dtype,
+        )
+        if started_by_launcher():  # how the ranks held the model, read off it (not the setting)
+            results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
+        # every rank ran its share of the rollouts (collectives)
+        results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
+        if memory is not None:  # what each GPU had in use (every process on it), not torch's counter
+            memory.stop()
+            measured = _per_rank(memory.summary())
+            results["peak_gpu_memory_gb_per_rank"] = [m["peak_gb"] for m in measured]
+            results["gpu_memory_per_rank"] = measured
+        run.phase = "saving the final model"
+        save_final(trainer, run.checkpoints / "final", compute_dtype)
+        if is_main():
+            tokenizer.save_pretrained(str(run.checkpoints / "final"))
+        return results
+
+    def _grpo(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        setup: TrainSetup,
+        train_tasks: list[dict[str, Any]],
+        validation: Validation,
+        compute: ComputeCount,
+        *,
+        memory: DeviceMemory | None,
+        offload: OptimizerOffload | None,
+        resume_from: str | None,
+        device: str,
+        compute_dtype: torch.dtype,
+    ) -> tuple[AgentGRPOTrainer, AgentRollouts, dict[str, Any]]:
+        """The GRPO phase (or RFT's): the agent's rollouts on the run's policy server train the model with TRL's GRPO
+        trainer (`AgentGRPOTrainer`), from `resume_from` if the run resumes; a stop signal ends it at a step's end
+        with a checkpoint (`Interrupted`). Returns the trainer, its rollout function and the summary's `grpo`."""
+        run, algo = setup.run, setup.algorithm
+        overlap = algo.overlapped
+        resumed_at = int(Path(resume_from).name.split("-")[-1]) if resume_from is not None else 0  # its step
         server = self._server(model, tokenizer, setup)
         rollout_func = AgentRollouts(
             setup.agent,
@@ -300,8 +349,7 @@ class TRLBackend:
             )
         if resume_from is not None and trainer.state.global_step == resumed_at:  # resumed after its last step
             validation(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
-        run.phase = "saving the final model"
-        results["grpo"] = {
+        record = {
             "steps": trainer.state.global_step,
             "async_rollouts": overlap,
             "prefetch_missed": rollout_func.missed,  # async: batches read ahead that no step asked for
@@ -310,19 +358,7 @@ class TRLBackend:
             "train_s": step_log.train_s,
             "compute": compute.summary(),
         }
-        if started_by_launcher():  # how the ranks held the model, read off it (not the setting)
-            results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
-        # every rank ran its share of the rollouts (collectives)
-        results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
-        if memory is not None:  # what each GPU had in use (every process on it), not torch's counter
-            memory.stop()
-            measured = _per_rank(memory.summary())
-            results["peak_gpu_memory_gb_per_rank"] = [m["peak_gb"] for m in measured]
-            results["gpu_memory_per_rank"] = measured
-        save_final(trainer, run.checkpoints / "final", compute_dtype)
-        if is_main():
-            tokenizer.save_pretrained(str(run.checkpoints / "final"))
-        return results
+        return trainer, rollout_func, record
 
     def _control(
         self,
