@@ -85,6 +85,10 @@ class SFTWarmstart:
                 f"{found}: another warm start than the one asked for"
             )
 
+    def seed_of(self, run_seed: int) -> int:
+        """The demonstrations' and the training's seed: `seed`, else the run's."""
+        return self.seed if self.seed is not None else run_seed
+
     def split(self, tasks: list[dict[str, Any]], seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(the warm start's tasks, the tasks GRPO and the control train on): all of them for both when `task_share`
         is 1 and `rl_tasks` unset; else `task_share` of them (a share below 1 decides; at 1, all but about
@@ -232,7 +236,6 @@ class RunTasks:
     train: list[dict[str, Any]]  # what RL (and the control arms) train on
     val: list[dict[str, Any]]
     test: list[dict[str, Any]]
-    split_seed: int  # data.split_seed
     demos: list[Demonstration] = field(default_factory=list)
     source: str = ""  # the model's weights and tokenizer before any training (a hub id or a directory)
 
@@ -242,13 +245,12 @@ def run_tasks(setup: TrainSetup) -> RunTasks:
     prepared for them (built here for model=tiny)."""
     warmstart = setup.warmstart if isinstance(setup.warmstart, SFTWarmstart) else None
     train, val, test = setup.data.train_tasks(), setup.data.val_tasks(), setup.data.test_tasks()
-    split_seed = setup.data.split_seed
-    warm, rl = warmstart.split(train, split_seed) if warmstart else ([], train)
-    seed = warmstart.seed if warmstart and warmstart.seed is not None else setup.seed
+    warm, rl = warmstart.split(train, setup.data.split_seed) if warmstart else ([], train)
+    seed = warmstart.seed_of(setup.seed) if warmstart else setup.seed
     demos = warmstart.demonstrations(setup.agent, warm, seed) if warmstart else []
     texts = [text for demo in demos for text in demonstration_texts(demo)]
     source = setup.model.prepare(training_corpus(texts, rl, val + test, train))
-    return RunTasks(warm, rl, val, test, split_seed, demos, source)
+    return RunTasks(warm, rl, val, test, demos, source)
 
 
 @dataclass
@@ -280,7 +282,7 @@ def warm_start(
     start's own if it has one). Every rank of a run calls it (they train together)."""
     if not isinstance(warmstart, SFTWarmstart):
         return WarmStart(None)
-    seed = warmstart.seed if warmstart.seed is not None else seed
+    seed = warmstart.seed_of(seed)
     checkpoint = warmstart.checkpoint_dir(run.checkpoints, tasks.source, tasks.demos, max_length, use_bf16, seed)
     model, record = None, {}
     with warmstart.exclusive(checkpoint):

@@ -240,7 +240,7 @@ class TRLBackend:
             results["train_tasks"] = len(train_tasks)
         if is_main():  # once the tasks RL trains on are known
             phases = (warm_tasks, train_tasks, val_tasks, test_tasks)
-            write_splits(run.path / "splits.json", tasks.split_seed, *phases, pool=results.get("pool"))
+            write_splits(run.path / "splits.json", setup.data.split_seed, *phases, pool=results.get("pool"))
         if isinstance(algo, SFTControl):  # the warm start's demonstrations, or those of the tasks GRPO trains on
             if algo.sft_demos == "rl" and warm_tasks is not train_tasks:
                 demos = setup.warmstart.demonstrations(setup.agent, train_tasks, setup.seed)
@@ -259,6 +259,7 @@ class TRLBackend:
             memory=memory,
             offload=offload,
             resume_from=resume_from,
+            resumed_at=resumed_at,
             device=device,
             compute_dtype=compute_dtype,
         )
@@ -289,15 +290,16 @@ class TRLBackend:
         memory: DeviceMemory | None,
         offload: OptimizerOffload | None,
         resume_from: str | None,
+        resumed_at: int,
         device: str,
         compute_dtype: torch.dtype,
     ) -> tuple[AgentGRPOTrainer, AgentRollouts, dict[str, Any]]:
         """The GRPO phase (or RFT's): the agent's rollouts on the run's policy server train the model with TRL's GRPO
-        trainer (`AgentGRPOTrainer`), from `resume_from` if the run resumes; a stop signal ends it at a step's end
-        with a checkpoint (`Interrupted`). Returns the trainer, its rollout function and the summary's `grpo`."""
+        trainer (`AgentGRPOTrainer`), from `resume_from` (its step `resumed_at`) if the run resumes; a stop signal
+        ends it at a step's end with a checkpoint (`Interrupted`). Returns the trainer, its rollout function and the
+        summary's `grpo`."""
         run, algo = setup.run, setup.algorithm
         overlap = algo.overlapped
-        resumed_at = int(Path(resume_from).name.split("-")[-1]) if resume_from is not None else 0  # its step
         server = self._server(model, tokenizer, setup)
         rollout_func = AgentRollouts(
             setup.agent,
