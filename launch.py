@@ -11,7 +11,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.job import run_job
+from jobs.job import run_job
 
 # The repository's folders are the import names (nothing is installed): every process a run starts (its ranks, SLURM
 # jobs, Ray workers) finds them on PYTHONPATH

@@ -21,10 +21,10 @@ from typing import Any
 from omegaconf import DictConfig
 from submitit.core.utils import JobPaths
 
-from experiments.sweep import QUEUED_STATES, RUNNING_STATES, read_summary, slurm_states, submitted_jobs
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import number
+from jobs.sweep import QUEUED_STATES, RUNNING_STATES, read_summary, slurm_states, submitted_jobs
 
 
 @dataclass

@@ -158,7 +158,7 @@ def compose(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from experiments.config import build_components
+    from jobs.config import build_components
 
     _, _, preset = SHAPES[args.shape]
     overrides = [

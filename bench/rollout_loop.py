@@ -94,7 +94,7 @@ class ThreadPerReward:
 def build(args: argparse.Namespace) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
 
-    from experiments.config import build_components
+    from jobs.config import build_components
 
     overrides = ["experiment=learn-gpu", "algorithm=grpo", f"paths.cache_dir={args.cache}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

@@ -167,7 +167,7 @@ def compose(case: str, args: argparse.Namespace, cache: Path, engine: str) -> di
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from experiments.config import build_components
+    from jobs.config import build_components
 
     model_name, finetune = CASES[case]
     overrides = [

@@ -109,7 +109,7 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> li
     ranks = int(kind.removeprefix("fsdp2x"))
     if ranks > 1:
         return [*launch, f"resources.gpus_per_node={ranks}", "backend.sharding=fsdp2"]
-    # one rank, as experiments/ranks.py starts each (a run of N > 1 processes starts them itself)
+    # one rank, as jobs/ranks.py starts each (a run of N > 1 processes starts them itself)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *launch[1:]]
 
 

@@ -1,6 +1,6 @@
 """Stopping a run on SIGTERM or SIGINT (Ctrl-C, `kill`, `scancel` of a local job) so that it says so and can resume.
 SIGUSR1 stops it the same way: srun turns a SIGTERM into killing its tasks at once, and forwards SIGUSR1 as it is,
-so the launcher stops ranks under srun with it (experiments/ranks.py).
+so the launcher stops ranks under srun with it (jobs/ranks.py).
 
 `stop_signals()` (around a job, in the main thread) turns either signal into `Interrupted`, a BaseException like
 KeyboardInterrupt, so the job's `summary.json` says `interrupted`. Inside `checkpoint_at_step_end()` (a training loop

@@ -1,4 +1,4 @@
-"""Which process of a data-parallel run this is. A run of N processes is started by `experiments/ranks.py` with
+"""Which process of a data-parallel run this is. A run of N processes is started by `jobs/ranks.py` with
 torchrun; each process reads its rank from torchrun's environment. A single process is rank 0 of 1."""
 
 from __future__ import annotations
@@ -30,5 +30,5 @@ def is_main() -> bool:
 
 
 def started_by_launcher() -> bool:
-    """True in a process that `experiments/ranks.py` started (one of several ranks of one run)."""
+    """True in a process that `jobs/ranks.py` started (one of several ranks of one run)."""
     return RANK_OF in os.environ

@@ -25,7 +25,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class Tracker(Protocol):
-    """Receives every step's metrics as they are written (`logger=wandb`: experiments/tracking.py)."""
+    """Receives every step's metrics as they are written (`logger=wandb`: jobs/tracking.py)."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
 

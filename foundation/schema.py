@@ -4,7 +4,7 @@
     loss_type: str = one_of("dapo", LOSS_TYPES)       # one of a fixed set of values
     max_tokens_per_turn: int | None = number(None, gt=0)   # None passes: "not set"
 
-`experiments.config.check_schema` runs `check_values` on every group's values, after OmegaConf has checked keys and
+`jobs.config.check_schema` runs `check_values` on every group's values, after OmegaConf has checked keys and
 types, so a bad value is a `ConfigError` naming `group.key` before any model loads. What spans fields stays in the
 dataclass's `__post_init__`.
 """

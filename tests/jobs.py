@@ -63,12 +63,12 @@ def quick(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
 
 
 def held_train(cfg: DictConfig, run: RunDir) -> dict[str, Any]:
-    """The training job (experiments.train.run), except that the runs in `job.hold` wait after writing checkpoint-1
+    """The training job (jobs.train.run), except that the runs in `job.hold` wait after writing checkpoint-1
     until the test interrupts them: a requeue or a preemption then always lands in the middle of the run. A resumed
     run starts from checkpoint-1 and never writes it again, so only the first attempt waits."""
     from transformers.trainer_callback import CallbackHandler
 
-    from experiments.train import run as train
+    from jobs.train import run as train
 
     if held(cfg):
         save = CallbackHandler.on_save

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from scipy import stats
 
-from experiments.config import build_components
+from jobs.config import build_components
 from tests.conftest import ROOT, launch
 from tests.test_config import CONF, options
 from tests.test_report import out_tables, table_rows

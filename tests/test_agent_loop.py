@@ -123,7 +123,7 @@ def test_a_rollout_in_verls_agent_loop_is_the_sample_backend_trl_trains(
     template: tuple[str, bool | None, str], spider_mini_dir: Path, tmp_path: Path
 ) -> None:
     """The Spider agent with its check step (thinking blocks, a rewrite), scripted: trl's sample == verl's row."""
-    from experiments.config import build_components
+    from jobs.config import build_components
 
     overrides = ["agent=spider_sql", f"data.spider_dir={spider_mini_dir}", "data.generate=null"]
     cfg = composed([*overrides, "agent.check_step=true", "agent.max_turns=2"])

@@ -14,7 +14,7 @@ from agent.llm import OpenAIChat
 from agent.med_sql import TOOL_NAME
 from agent.scripted import Reply, call, say, scripted_app, turn
 from agent.spider_sql import INCORRECT
-from experiments.config import build_components
+from jobs.config import build_components
 from tests.conftest import ROOT, serve
 
 

@@ -18,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import RunSettings, build_components, check_job, check_run, check_schema
 from foundation.errors import ConfigError
 from foundation.schema import declared
+from jobs.config import RunSettings, build_components, check_job, check_run, check_schema
 from tests.conftest import ROOT, launch
 
 CONF = ROOT / "conf"
@@ -217,9 +217,9 @@ def schemas() -> dict[str, tuple[str, str, type]]:
             name = (node or {}).get("_schema_") or (node or {}).get("_target_")
             if name and name not in found and dataclasses.is_dataclass(cls := get_object(name)):
                 found[name] = (group_dir.name, path.stem, cls)
-    found["experiments.config.RunSettings"] = ("", "", RunSettings)
+    found["jobs.config.RunSettings"] = ("", "", RunSettings)
     resources = next(f.default_factory for f in dataclasses.fields(RunSettings) if f.name == "resources")
-    found["experiments.config.Resources"] = ("resources", "", resources)
+    found["jobs.config.Resources"] = ("resources", "", resources)
     return found
 
 
@@ -403,3 +403,15 @@ def test_a_config_recorded_before_the_warm_start_moved_still_builds_it() -> None
 
     recorded = {"_target_": "backends.trl.sft.SFTWarmstart", "steps": 5}
     assert isinstance(instantiate(recorded), SFTWarmstart)
+
+
+def test_a_config_recorded_before_the_jobs_were_renamed_still_runs_them() -> None:
+    # results/ and SLURM jobs submitted before the rename name experiments.* (kept for one release)
+    from hydra.utils import get_object
+
+    import jobs.evaluate
+    import jobs.train
+
+    assert get_object("experiments.train.run") is jobs.train.run
+    assert get_object("experiments.evaluate.EvalJob") is jobs.evaluate.EvalJob  # one class, not a copy
+    assert jobs.train.__spec__.name == "jobs.train"  # the alias leaves the module's own spec

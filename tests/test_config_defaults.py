@@ -10,7 +10,7 @@ The rule, per dataclass (an option's `_schema_`, else its `_target_` when that i
   sft_control's own `max_steps: 1000` SFTControl's).
 - An option that sets no `_target_` of its own and takes a sibling through its defaults list (algorithm=grpo_tiny,
   warmstart=sft_tiny, agent=spider_sql_tiny, ...) is a variant: it overrides values on purpose and is not compared;
-  nor are experiments (they override other groups' keys).
+  nor are the experiment presets (they override other groups' keys).
 - A dataclass that several base options name (conf/model/qwen*.yaml: HubModel; conf/data/spider.yaml and
   spider_mini.yaml: SpiderData) has no single base: a key they all write alike must equal the default, and a key they
   write differently is each option's choice, so its field must be required (no default): a default would silently
@@ -43,8 +43,8 @@ from hydra.utils import get_object
 from hydra_plugins.hydra_submitit_launcher.config import SlurmQueueConf
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import HYDRA_KEYS, RunSettings
 from hydra_plugins.arl_launchers.config import SlurmConf
+from jobs.config import HYDRA_KEYS, RunSettings
 from tests.conftest import ROOT
 from tests.test_config import CONF, compose_with, options
 

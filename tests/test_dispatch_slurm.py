@@ -24,7 +24,7 @@ import pytest
 from submitit.core.utils import JobPaths
 
 from analysis.status import sweep_status
-from experiments.sweep import submitted_jobs
+from jobs.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, ROOT
 from tests.jobs import RELEASE
 from tests.local_slurm import local_cluster

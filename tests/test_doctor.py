@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import doctor
+from jobs import doctor
 from tests.conftest import launch
 
 

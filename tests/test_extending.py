@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from agent.trajectory import Trajectory
-from experiments.config import build_components
+from jobs.config import build_components
 from tests.conftest import ROOT
 from tests.test_config import compose_with
 

@@ -16,9 +16,9 @@ import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from experiments.ranks import free_port
 from inference.vllm import architecture
 from inference.weights import GenerationWeights, full_weights, is_sharded
+from jobs.ranks import free_port
 
 WORLD = 2
 

@@ -17,10 +17,10 @@ from trl.trainer.utils import selective_log_softmax
 
 from agent.llm import OpenAIChat
 from backends.samples import Sample, flatten
-from experiments.config import build_components
 from foundation.errors import ConfigError
 from inference import HFGenerate, StaticGenerate, make_engine
 from inference.policy_server import PolicyServer
+from jobs.config import build_components
 from tests.conftest import micro_tiny
 
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people WHERE age > 30"] * 10

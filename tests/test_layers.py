@@ -1,7 +1,7 @@
 """The layout is the architecture: lower layers never import higher ones, and no package imports itself in a circle.
 
 Every `import` in the project's packages is read with `ast`, also those inside functions (a lazy import is still a
-dependency). Layers, bottom to top: foundation; agent, rewards, data, models; inference; backends; experiments;
+dependency). Layers, bottom to top: foundation; agent, rewards, data, models; inference; backends; jobs;
 analysis.
 """
 
@@ -21,7 +21,7 @@ LAYER = {
     "models": 1,
     "inference": 2,
     "backends": 3,
-    "experiments": 4,
+    "jobs": 4,
     "analysis": 5,
 }
 
@@ -60,7 +60,7 @@ def test_no_layer_imports_a_higher_one() -> None:
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("package", ["inference", "backends", "backends.verl", "backends.trl", "experiments"])
+@pytest.mark.parametrize("package", ["inference", "backends", "backends.verl", "backends.trl", "jobs"])
 def test_no_import_circle(package: str) -> None:
     graph = {n: {d for d in deps if d.startswith(package + ".")} for n, deps in imports().items()}
     graph = {n: deps for n, deps in graph.items() if n.startswith(package + ".")}

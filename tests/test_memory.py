@@ -182,8 +182,8 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
 ) -> None:
     """The presets are sized for H100s (80 GB): their own plan, with vLLM as the engine, must not refuse them."""
     import backends.trl.backend as trl_backend
-    from experiments.config import build_components
-    from experiments.ranks import processes
+    from jobs.config import build_components
+    from jobs.ranks import processes
     from tests.test_config import compose_with
 
     cfg = compose_with(f"experiment={preset}", f"data.spider_dir={spider_mini_dir}")
@@ -212,8 +212,8 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
 def test_an_offload_that_cannot_apply_stops_the_run_instead_of_being_ignored(
     overrides: list[str], ranks: int, message: str
 ) -> None:
-    from experiments.config import build_components
     from foundation.errors import ConfigError
+    from jobs.config import build_components
     from tests.test_config import compose_with
 
     parts = build_components(compose_with(*overrides))

@@ -28,8 +28,8 @@ def test_two_ranks_train_one_run_stop_together_on_sigterm_and_resume_from_their_
 
     import psutil
 
-    from experiments.ranks import LAUNCH
     from foundation.ranks import RANK_OF
+    from jobs.ranks import LAUNCH
     from tests.conftest import ROOT, wait_for
 
     launch_py = str(LAUNCH)  # in the ranks' command line (torchrun's too, which has no RANK)
@@ -136,8 +136,8 @@ def test_the_7b_full_preset_asks_for_two_sharded_ranks() -> None:
 
 
 def test_more_ranks_than_gpus_fail_before_starting() -> None:
-    from experiments.ranks import check_devices
     from foundation.errors import ConfigError
+    from jobs.ranks import check_devices
     from tests.test_config import compose_with
 
     cfg = compose_with("resources.gpus_per_node=2")
@@ -162,7 +162,7 @@ time.sleep(600)
 # The launcher's side: run_ranks under the stop signals, as launch.py runs a multi-rank job.
 LAUNCHER = """
 import os, sys
-from experiments.ranks import run_ranks
+from jobs.ranks import run_ranks
 from foundation.interrupt import Interrupted, stop_signals
 from foundation.ranks import RANK_OF
 env = os.environ | {RANK_OF: "run-under-test"}
@@ -210,7 +210,7 @@ def test_a_stopped_launcher_leaves_no_process_of_its_run_also_one_in_another_ses
 # pids once the rank is ready.
 STUCK_RANK = """
 import os, signal, subprocess, sys, time
-from experiments.ranks import LAUNCH
+from jobs.ranks import LAUNCH
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGQUIT, lambda *_: open(sys.argv[1] + ".starter-quit", "w").close())  # must not come
 ready = sys.argv[1] + ".ready"

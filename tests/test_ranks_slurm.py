@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.sweep import submitted_jobs
+from jobs.sweep import submitted_jobs
 from tests.conftest import FAST_RUN, wait_for
 from tests.local_slurm import local_cluster
 from tests.test_dispatch_slurm import attempts, env_for, start_sweep, steps, summary
@@ -104,7 +104,7 @@ def test_sigint_to_the_run_stops_both_srun_ranks_after_one_step_and_leaves_no_pr
         wait_for_sweep("the ranks' first GRPO step", first_step, sweep, log)
         assert len(run_processes()) >= 2  # the two ranks
         # the process that started the ranks: the job's python in its first step (the ranks' step is the second)
-        job_id = attempts(run)[-1]["slurm_job_id"]  # experiments/job.py's slurm_job_id: <array job>_<task>
+        job_id = attempts(run)[-1]["slurm_job_id"]  # jobs/job.py's slurm_job_id: <array job>_<task>
 
         def is_launcher(env: dict[str, str]) -> bool:
             own = f"{env.get('SLURM_ARRAY_JOB_ID')}_{env.get('SLURM_ARRAY_TASK_ID')}"

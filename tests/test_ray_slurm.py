@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from experiments.sweep import submitted_jobs
+from jobs.sweep import submitted_jobs
 from tests.conftest import launch
 from tests.local_slurm import local_cluster
 

@@ -28,7 +28,7 @@ COST = "Training GPU-seconds per run: 181 vs 181; training FLOPs per run: 1.81e+
 def write_run(
     path: Path, overrides: list[str], config: dict[str, Any], summary: dict | None, val: float | None
 ) -> None:
-    """A run directory as experiments/job.py and the TRL backend write it: validation at 0, 2, 4; reward per step."""
+    """A run directory as jobs/job.py and the TRL backend write it: validation at 0, 2, 4; reward per step."""
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))

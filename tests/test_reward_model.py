@@ -12,7 +12,7 @@ import transformers
 
 from agent.trajectory import Trajectory
 from data.preferences import PreferenceError, convert, sql_pairs
-from experiments.reward_model import load_reward_model
+from jobs.reward_model import load_reward_model
 from models.tiny import train_tokenizer
 from rewards.reward_model import RewardModelReward, Scorer, create_app
 from tests.conftest import FAST_RUN, closed_port, launch, serve

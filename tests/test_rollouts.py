@@ -30,8 +30,8 @@ from backends.trl.trainer import (
     importance_weights,
     trimmed,
 )
-from experiments.ranks import free_port
 from inference.policy_server import PolicyServer
+from jobs.ranks import free_port
 from tests.conftest import micro_tiny
 
 GROUP = 4

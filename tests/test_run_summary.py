@@ -1,10 +1,10 @@
-"""The end of a training run as a person reads it (experiments/train.py `describe`)."""
+"""The end of a training run as a person reads it (jobs/train.py `describe`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from experiments.train import describe, sparkline, wilson
+from jobs.train import describe, sparkline, wilson
 
 
 def summary(before: float, after: float, rewards: list[float | None]) -> dict:

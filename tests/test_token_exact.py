@@ -21,9 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from backends.samples import Sample, flatten
 from backends.sft import trainable_demos
-from experiments.config import build_components
 from inference.engine import Completion
 from inference.policy_server import PolicyServer
+from jobs.config import build_components
 from models.chat import TEMPLATE_TOOL_CALLS, ChatFormat
 from tests.conftest import ROOT, micro_tiny
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from experiments.config import build_group
-from experiments.tracking import WandbLogger, env_free_config, swept_keys
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
+from jobs.config import build_group
+from jobs.tracking import WandbLogger, env_free_config, swept_keys
 from tests.conftest import closed_port, launch
 from tests.test_config import compose_with
 

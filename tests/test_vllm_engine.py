@@ -18,12 +18,12 @@ from hydra import compose, initialize_config_dir
 from peft import LoraConfig, get_peft_model
 
 from backends.samples import flatten
-from experiments.config import build_components
 from foundation.errors import ConfigError
 from inference import make_engine, resolve_engine
 from inference.policy_server import PolicyServer
 from inference.vllm import VLLMEngine, VLLMSettings
 from inference.weights import full_weights
+from jobs.config import build_components
 from tests.conftest import micro_tiny
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 
     data -> [warm-start SFT] -> validate -> GRPOTrainer(rollout_func = agent on the policy server) -> validate
 
-On several ranks (`resources.gpus_per_node`, `resources.nodes`: experiments/ranks.py starts them) GRPO trains
+On several ranks (`resources.gpus_per_node`, `resources.nodes`: jobs/ranks.py starts them) GRPO trains
 data-parallel: each rank runs its share of the step's rollouts on its own policy server and device, and the weights,
 gradients and optimizer state are sharded across ranks with FSDP2 (`sharding=fsdp2`, backends/trl/fsdp.py; the
 engines generate from a full copy gathered before each rollout phase, inference/weights.py) or replicated (`ddp`).
@@ -158,7 +158,7 @@ class TRLBackend:
     def train(self, setup: TrainSetup) -> dict[str, Any]:
         run, algo = setup.run, setup.algorithm
         device = self.resolved_device()
-        # Several ranks (experiments/ranks.py): PyTorch's process group first; rank 0 writes the shared cache (data,
+        # Several ranks (jobs/ranks.py): PyTorch's process group first; rank 0 writes the shared cache (data,
         # the built model) before the others read it; it alone writes the run directory and validates.
         ranks = PartialState(cpu=not device.startswith("cuda")) if world_size() > 1 else None  # gloo on CPU
         first = ranks.main_process_first() if ranks is not None else contextlib.nullcontext()

@@ -1,7 +1,7 @@
 """`hydra/launcher=slurm`: hydra-submitit-launcher's SLURM launcher, plus what this project's sweeps need.
 
 - Runs that completed in the sweep directory with the same overrides are not submitted again, nor are runs whose job
-  SLURM still has queued or running (`experiments/sweep.py`); the others are submitted as one job array.
+  SLURM still has queued or running (`jobs/sweep.py`); the others are submitted as one job array.
 - Each submitted job is appended to `<sweep_dir>/jobs.jsonl`, which `python -m analysis.status <sweep_dir>` reads.
 - `hydra.launcher.wait=false` submits and returns: no process waits for the sweep.
 - A job of several nodes runs its run once, as task 0 on its first node (`srun_args`), and is waited for as such.
@@ -26,8 +26,8 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf, open_dict
 
-from experiments.sweep import NEVER_STARTS, completed_run, jobs_that_cannot_start, listed_state, live_jobs, record_jobs
 from foundation.run_dir import RunDir
+from jobs.sweep import NEVER_STARTS, completed_run, jobs_that_cannot_start, listed_state, live_jobs, record_jobs
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassificatio
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 
-from experiments.preference import PreferenceJob, device, prepare, save_final, trainer_args
 from foundation.run_dir import RunDir
 from foundation.schema import number
+from jobs.preference import PreferenceJob, device, prepare, save_final, trainer_args
 from rewards.reward_model import Scorer, create_app
 
 

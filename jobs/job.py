@@ -26,12 +26,12 @@ from hydra.types import RunMode
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import build_group, check_job, check_run
-from experiments.ranks import write_rank_results
-from experiments.sweep import completed_run
 from foundation.interrupt import stop_signals
 from foundation.ranks import STACKS_SIGNAL, is_main, started_by_launcher
 from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
+from jobs.config import build_group, check_job, check_run
+from jobs.ranks import write_rank_results
+from jobs.sweep import completed_run
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import build_components
-from experiments.train import train_setup
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
+from jobs.config import build_components
+from jobs.train import train_setup
 
 
 def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:

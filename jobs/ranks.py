@@ -163,7 +163,7 @@ def stop_starter(starter: subprocess.Popen, signum: int, *, under_srun: bool, gr
 
 def show_stacks(run_id: str, starter: int) -> list[int]:
     """Every rank of the run that this process can see (torchrun's, not srun's) writes its threads' Python stacks to
-    its stderr (`STACKS_SIGNAL`, registered by each rank in experiments/job.py): where a rank that does not stop is
+    its stderr (`STACKS_SIGNAL`, registered by each rank in jobs/job.py): where a rank that does not stop is
     stuck. Ranks are the run's processes that run launch.py with a `RANK`; the `starter` (torchrun, which would shut
     down on it) and what the ranks started (an engine, which would die of it) are left alone. The pids."""
     ranks = []

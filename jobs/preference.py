@@ -12,9 +12,9 @@ from omegaconf import DictConfig
 from transformers import PreTrainedTokenizerBase, TrainingArguments
 
 from data.preferences import convert, read_jsonl, sql_pairs
-from experiments.config import build_components
 from foundation.run_dir import RunDir
 from foundation.schema import number
+from jobs.config import build_components
 
 Args = TypeVar("Args", bound=TrainingArguments)
 

@@ -15,9 +15,9 @@ from omegaconf import DictConfig
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import DPOConfig, DPOTrainer
 
-from experiments.preference import PreferenceJob, device, prepare, save_final, trainer_args
 from foundation.run_dir import RunDir
 from foundation.schema import number
+from jobs.preference import PreferenceJob, device, prepare, save_final, trainer_args
 
 
 @dataclass

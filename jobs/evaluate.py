@@ -15,10 +15,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from agent.rollout import EvalSummary, evaluate
-from experiments.config import build_components
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import one_of
+from jobs.config import build_components
 
 
 @dataclass

@@ -11,10 +11,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from backends.setup import TrainSetup
-from experiments.config import build_components
-from experiments.ranks import launch_ranks, processes
 from foundation.ranks import started_by_launcher
 from foundation.run_dir import RunDir
+from jobs.config import build_components
+from jobs.ranks import launch_ranks, processes
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:

@@ -23,10 +23,10 @@ from omegaconf import DictConfig
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from experiments.config import build_components
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import number
+from jobs.config import build_components
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE_BACKENDS = ("verl",)
@@ -202,7 +202,7 @@ def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
     """Our config validation, and for backend=verl verl's own (where verl is installed)."""
     try:
         if backend == "verl" and importlib.util.find_spec("verl") is not None:
-            from experiments.validate import verl_config
+            from jobs.validate import verl_config
 
             verl_config(cfg, Path(cfg.paths.output_dir) / "doctor")
             return [Row("config", "ok", "ours and verl's validate_config pass")]
