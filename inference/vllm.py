@@ -17,6 +17,11 @@
   copy; the trainer's weights are never touched (merging and unmerging in place in bf16 would drift
   them a little every step). Merged weights rather than vLLM's LoRA adapters because generation then runs plain
   matrix products, as with full fine-tuning; the price is sending the full weights once per step, device to device.
+- Process: by default vLLM's engine runs inside this process (vLLM's external launcher, as TRL's colocate mode), its
+  scheduler and model runner sharing the trainer's Python interpreter lock. With `own_process` its engine core runs
+  in a process of its own on the same GPU (vLLM's multiprocess engine), and a weight load sends CUDA IPC handles of
+  the trainer's tensors (`inference/vllm_worker.py` loads them there, in buckets of `IPC_BUCKET_BYTES`): generation
+  then competes with the update for the GPU only, not for the interpreter (asynchronous rollouts). One rank only.
 - Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
   rollout phase frees all of it (level 2: weights and KV cache), so the update has it; the next `load` wakes vLLM.
 
@@ -32,6 +37,7 @@ import copy
 import itertools
 import logging
 import os
+import pickle
 import queue
 import socket
 import tempfile
@@ -48,6 +54,16 @@ from inference.engine import Completion, finish
 from inference.weights import full_weights
 
 log = logging.getLogger(__name__)
+
+IPC_BUCKET_BYTES = 1 << 30  # backend.vllm_own_process: weights sent per call to the engine process
+
+
+def share(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+    """A CUDA tensor as another process rebuilds it without a copy: torch.multiprocessing's reduction (IPC handles)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(tensor)
+
 
 INSTALL_HINT = "pip install -e '.[vllm]' -c constraints-vllm.txt"
 
@@ -77,6 +93,7 @@ class VLLMSettings:
     prefix_caching: bool = True  # reuse KV blocks of shared prefixes (turns re-send the conversation)
     sleep: bool = True  # free vLLM's GPU memory during the update (sleep level 2); woken by the next load
     enforce_eager: bool = False  # no CUDA graphs, no torch.compile (faster start, slower decode)
+    own_process: bool = False  # vLLM's engine core in a process of its own, weights sent as CUDA IPC handles
     max_num_batched_tokens: int = 8192  # tokens per engine step (prefill chunks + decodes)
     seed: int = 0
     dtype: torch.dtype | None = None  # the weights' dtype in vLLM (None: the model's; FSDP2 trains fp32 masters)
@@ -96,16 +113,21 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
     """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones)."""
     from vllm import LLM
 
-    # One process, one engine: vLLM's external launcher runs the engine in this process (no engine process, so its
-    # model is reachable for load_weights); it reads the torchrun variables, defaulted here for a single process.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if settings.own_process:  # vLLM's multiprocess engine: its engine core in a process of its own
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        where = {"worker_extension_cls": "inference.vllm_worker.SharedWeights"}
+    else:
+        # One process, one engine: vLLM's external launcher runs the engine in this process (so its model is
+        # reachable for load_weights); it reads the torchrun variables, defaulted here for a single process.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        where = {"distributed_executor_backend": "external_launcher"}
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = settings.dtype or next(base.parameters()).dtype
     config_dir = tempfile.mkdtemp(prefix="vllm-config-")
@@ -126,7 +148,7 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
         enable_prefix_caching=settings.prefix_caching,
         enable_sleep_mode=settings.sleep,
         enforce_eager=settings.enforce_eager,
-        distributed_executor_backend="external_launcher",
+        **where,
         logprobs_mode="processed_logprobs",
         generation_config="vllm",
         seed=settings.seed,
@@ -339,13 +361,36 @@ class VLLMEngine:
         elif self._asleep:
             torch.cuda.empty_cache()  # what the trainer's allocator cached goes back before vLLM takes it again
             self._llm.wake_up(tags=["weights"])
-        runner = self._llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        runner.model.load_weights(weights=full_weights(model))
+        if self.settings.own_process:
+            self._send_weights(model)
+        else:
+            runner = self._llm.llm_engine.model_executor.driver_worker.worker.model_runner
+            runner.model.load_weights(weights=full_weights(model))
         if self._asleep:
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self._llm.reset_prefix_cache()  # blocks computed with the previous weights
         self.weight_loads += 1
+
+    def _send_weights(self, model: PreTrainedModel) -> None:
+        """The weights to vLLM's engine process as CUDA IPC handles, in buckets of about IPC_BUCKET_BYTES (a LoRA
+        layer's merged copy lives until its bucket is loaded); each bucket is loaded when the call returns."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in full_weights(model):
+            bucket.append((name, tensor.detach()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= IPC_BUCKET_BYTES:
+                self._send_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._send_bucket(bucket)
+        torch.cuda.ipc_collect()  # what the engine process no longer holds is freed here
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        torch.cuda.current_stream().synchronize()  # the tensors (merged copies, gathers) are written
+        payload = pickle.dumps([(name, share(tensor)) for name, tensor in bucket])
+        self._llm.collective_rpc("load_shared_weights", args=(payload,))
 
     def _sleep(self) -> None:
         if not self._asleep:

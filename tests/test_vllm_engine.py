@@ -311,3 +311,64 @@ def test_vllm_errors_name_the_key_and_the_extra() -> None:
         cfg = compose("config", overrides=["backend.vllm_gpu_memory_utilization=1.5"])
     with pytest.raises(ConfigError, match=r"backend\.vllm_gpu_memory_utilization"):
         build_components(cfg)
+
+
+def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend.vllm_own_process: the weights cross to vLLM's engine process as handles, bucket by bucket, through
+    collective_rpc into the worker extension (inference/vllm_worker.py, run here on the fake's model); each bucket's
+    tensors are finished on the GPU before their handles go. CUDA IPC itself needs a GPU: here a tensor's "handle" is
+    its values (the GPU run checks the real one by the sampler's log-probs matching the trainer's)."""
+    import inference.vllm as vllm_module
+    from inference.vllm_worker import SharedWeights
+
+    model, _ = tiny
+    engine, started = fake_engine(own_process=True)
+    events: list[Any] = []
+    monkeypatch.setattr(vllm_module, "share", lambda t: (torch.tensor, (t.tolist(),)))
+    monkeypatch.setattr(vllm_module, "IPC_BUCKET_BYTES", 40_000)
+    stream = SimpleNamespace(synchronize=lambda: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: events.append("ipc_collect"))
+
+    def start(model: Any, settings: VLLMSettings) -> FakeLLM:
+        fake = FakeLLM(300)
+        fake.events = events
+        worker = SharedWeights()
+        worker.model_runner = fake.model_executor.driver_worker.worker.model_runner
+
+        def collective_rpc(method: str, args: tuple[Any, ...]) -> list[int]:
+            events.append(method)
+            return [getattr(worker, method)(*args)]
+
+        fake.collective_rpc = collective_rpc
+        loaded: dict[str, torch.Tensor] = {}
+        fake.model_executor.driver_worker.worker.model_runner.model.load_weights = lambda weights: (
+            loaded.update(weights) or events.append(("load_weights", len(weights)))
+        )
+        fake.loaded_weights = loaded
+        started.append(fake)
+        return fake
+
+    engine._start = start
+    engine.load(model)
+    engine.close()
+    sent = dict(full_weights(model))
+    assert started[0].loaded_weights.keys() == sent.keys()
+    assert all(torch.equal(started[0].loaded_weights[k].to(t.dtype), t.cpu()) for k, t in sent.items())
+    names = [e if isinstance(e, str) else e[0] for e in events]
+    buckets = names.count("load_shared_weights")
+    assert buckets > 1  # the 40 kB buckets split the model
+    assert names == ["sync", "load_shared_weights", "load_weights", "sync"] * buckets + [
+        "ipc_collect",
+        "reset_prefix_cache",
+    ]
+    assert sum(e[1] for e in events if isinstance(e, tuple) and e[0] == "load_weights") == len(sent)
+
+
+def test_an_engine_in_its_own_process_runs_on_one_rank_only() -> None:
+    from backends.algorithm import GRPO
+    from backends.trl.backend import TRLBackend
+
+    with pytest.raises(ConfigError, match=r"backend\.vllm_own_process: one rank only"):
+        TRLBackend(vllm_own_process=True).check(ranks=2, algo=GRPO())
+    TRLBackend(vllm_own_process=True).check(ranks=1, algo=GRPO())
