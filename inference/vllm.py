@@ -264,7 +264,8 @@ class VLLMEngine:
         return [f.result() for f in futures]
 
     def close(self) -> None:
-        """Stop the engine thread once the requests in flight are answered (vLLM is freed with the process)."""
+        """Stop the engine thread once the requests in flight are answered (vLLM is freed with the process; an engine
+        in its own process ends with the thread that started it: inference/vllm_worker.py)."""
         if self._thread is not None:
             self._inbox.put(None)
             self._thread.join(timeout=60)

@@ -1,13 +1,39 @@
 """What `backend.vllm_own_process` adds to vLLM's GPU worker in the engine process (vLLM's `worker_extension_cls`):
 loading the trainer's weights from CUDA IPC handles, so the copy stays on the GPU and nothing is serialized but the
-handles. Imported by vLLM's engine process, so it imports nothing of the project's."""
+handles. Imported by vLLM's engine process, so it imports nothing of the project's; imported there, it makes that
+process end with the trainer's (`die_with_parent`)."""
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import os
 import pickle
+import signal
+import sys
 from typing import Any
 
 import torch
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ENGINE_PROCESS = "EngineCore"  # the name vLLM gives its engine process (vllm/v1/engine/utils.py)
+
+
+def die_with_parent() -> None:
+    """In vLLM's engine process: SIGKILL when the process that started it dies, even by SIGKILL (else an orphaned
+    engine would hold its share of the GPU, and the next run's engine would not start); if it died already, exit.
+    The parent is the thread that started it (VLLMEngine's engine thread, which ends with `close()`). Elsewhere (the
+    trainer, tests) nothing. Linux only (prctl)."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not multiprocessing.current_process().name.startswith(ENGINE_PROCESS):
+        return
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent.pid:
+        os._exit(1)
+
+
+die_with_parent()
 
 
 class SharedWeights:

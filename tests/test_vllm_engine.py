@@ -372,3 +372,60 @@ def test_an_engine_in_its_own_process_runs_on_one_rank_only() -> None:
     with pytest.raises(ConfigError, match=r"backend\.vllm_own_process: one rank only"):
         TRLBackend(vllm_own_process=True).check(ranks=2, algo=GRPO())
     TRLBackend(vllm_own_process=True).check(ranks=1, algo=GRPO())
+
+
+STARTER = """
+import multiprocessing, pathlib, sys, time
+
+def engine(marker):
+    import inference.vllm_worker  # as vLLM's worker does in its engine process (backend.vllm_own_process)
+    pathlib.Path(marker).write_text("imported")
+    time.sleep(300)
+
+if __name__ == "__main__":
+    name, marker = sys.argv[1], sys.argv[2]
+    child = multiprocessing.get_context("spawn").Process(target=engine, args=(marker,), name=name)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("name", ["EngineCore", "SomethingElse"])
+def test_vllms_engine_process_ends_when_the_trainer_is_killed(tmp_path: Path, name: str) -> None:
+    """An engine process left behind would hold its share of the GPU (the next run's vLLM would not start): importing
+    inference/vllm_worker.py in vLLM's engine process ties it to its parent's life, even through a SIGKILL. A process
+    of another name (the control: what any child does) lives on, and is ended here."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.conftest import ROOT, wait_for
+
+    marker, script = tmp_path / "marker", tmp_path / "starter.py"  # a file: spawn imports the target from it
+    script.write_text(STARTER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    starter = subprocess.Popen(
+        [sys.executable, str(script), name, str(marker)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    child = psutil.Process(int(starter.stdout.readline()))
+    try:
+        wait_for(marker.exists, 120, "the child to import inference.vllm_worker")
+        starter.send_signal(signal.SIGKILL)
+        starter.wait(timeout=30)  # the kernel sends a parent-death signal as the parent exits: sent by now
+
+        def ended() -> bool:
+            return not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+        if name == "EngineCore":
+            wait_for(ended, 30, "the engine process to end after its parent was killed")
+        else:
+            assert not ended()
+    finally:
+        starter.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
