@@ -270,6 +270,8 @@ class VLLMEngine:
             self._inbox.put(None)
             self._thread.join(timeout=60)
             self._thread = None
+            if self.settings.own_process:  # its process ended with the thread: a later load starts a new one
+                self._llm = None
         for request in self._pending.values():
             request.done(RuntimeError("the vLLM engine was closed"))
         self._pending.clear()
@@ -378,8 +380,11 @@ class VLLMEngine:
         layer's merged copy lives until its bucket is loaded); each bucket is loaded when the call returns."""
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
+        # a parameter is shared through a copy: torch wraps a storage anew each time it is shared, for as long as
+        # the storage lives, so sharing the trainer's own parameters every step would pile those wrappers up
+        own = {p.untyped_storage().data_ptr() for p in model.parameters()}
         for name, tensor in full_weights(model):
-            bucket.append((name, tensor.detach()))
+            bucket.append((name, tensor.clone() if tensor.untyped_storage().data_ptr() in own else tensor))
             size += tensor.numel() * tensor.element_size()
             if size >= IPC_BUCKET_BYTES:
                 self._send_bucket(bucket)
@@ -389,7 +394,7 @@ class VLLMEngine:
         torch.cuda.ipc_collect()  # what the engine process no longer holds is freed here
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        torch.cuda.current_stream().synchronize()  # the tensors (merged copies, gathers) are written
+        torch.cuda.synchronize()  # the tensors (copies, merged copies, gathers) are written, on any stream
         payload = pickle.dumps([(name, share(tensor)) for name, tensor in bucket])
         self._llm.collective_rpc("load_shared_weights", args=(payload,))
 

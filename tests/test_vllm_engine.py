@@ -313,20 +313,38 @@ def test_vllm_errors_name_the_key_and_the_extra() -> None:
         build_components(cfg)
 
 
-def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(
+    tiny, lora: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """backend.vllm_own_process: the weights cross to vLLM's engine process as handles, bucket by bucket, through
     collective_rpc into the worker extension (inference/vllm_worker.py, run here on the fake's model); each bucket's
-    tensors are finished on the GPU before their handles go. CUDA IPC itself needs a GPU: here a tensor's "handle" is
-    its values (the GPU run checks the real one by the sampler's log-probs matching the trainer's)."""
+    tensors are finished on the GPU before their handles go, and no handle is of the trainer's own parameters (torch
+    would keep a wrapper per share for the parameter's life): copies, or LoRA's merged copies. CUDA IPC itself needs
+    a GPU: here a tensor's "handle" is its values (the GPU run checks the real one: the sampler's log-probs match the
+    trainer's)."""
     import inference.vllm as vllm_module
     from inference.vllm_worker import SharedWeights
 
     model, _ = tiny
+    if lora:
+        model = get_peft_model(
+            type(model)(model.config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+        )
     engine, started = fake_engine(own_process=True)
     events: list[Any] = []
-    monkeypatch.setattr(vllm_module, "share", lambda t: (torch.tensor, (t.tolist(),)))
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    shared_own: list[str] = []
+
+    def share(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+        if tensor.untyped_storage().data_ptr() in own:
+            shared_own.append(str(tensor.shape))
+        return torch.tensor, (tensor.tolist(),)
+
+    monkeypatch.setattr(vllm_module, "share", share)
     monkeypatch.setattr(vllm_module, "IPC_BUCKET_BYTES", 40_000)
-    stream = SimpleNamespace(synchronize=lambda: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    stream = SimpleNamespace(synchronize=lambda: events.append("worker sync"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: events.append("ipc_collect"))
 
@@ -358,11 +376,13 @@ def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(tiny, mo
     names = [e if isinstance(e, str) else e[0] for e in events]
     buckets = names.count("load_shared_weights")
     assert buckets > 1  # the 40 kB buckets split the model
-    assert names == ["sync", "load_shared_weights", "load_weights", "sync"] * buckets + [
+    assert names == ["sync", "load_shared_weights", "load_weights", "worker sync"] * buckets + [
         "ipc_collect",
         "reset_prefix_cache",
     ]
     assert sum(e[1] for e in events if isinstance(e, tuple) and e[0] == "load_weights") == len(sent)
+    assert shared_own == []
+    assert engine._llm is None  # its process ended with the engine thread: a later load starts a new one
 
 
 def test_an_engine_in_its_own_process_runs_on_one_rank_only() -> None:
@@ -419,7 +439,10 @@ def test_vllms_engine_process_ends_when_the_trainer_is_killed(tmp_path: Path, na
         starter.wait(timeout=30)  # the kernel sends a parent-death signal as the parent exits: sent by now
 
         def ended() -> bool:
-            return not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+            try:
+                return not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:  # reaped between the two questions
+                return True
 
         if name == "EngineCore":
             wait_for(ended, 30, "the engine process to end after its parent was killed")
