@@ -42,6 +42,7 @@ class GRPO:
     reward_timeout_s: float = number(60.0, gt=0)
     time_budget_s: float | None = number(None, gt=0)  # stop at the first step end after this much training
     flops_budget: float | None = number(None, gt=0)  # likewise after this many training FLOPs (backends/compute.py)
+    gpu_s_budget: float | None = number(None, gt=0)  # likewise after this many GPU-seconds (backends/compute.py)
     test_at_end: bool = True  # the final model is scored on the data's test split too (test/*), never before
     pool_samples: int | None = number(None, ge=2)  # train on the tasks the start solves some of N times (None: all)
     async_rollouts: bool = False  # step k+1's rollouts generate during step k's update (one step off-policy)
@@ -92,10 +93,15 @@ class GRPO:
         return micro, share // micro
 
     @property
+    def budgeted(self) -> bool:
+        """Whether a budget (time, FLOPs or GPU-seconds) may end training before `max_steps` or `epochs`."""
+        return any(b is not None for b in (self.time_budget_s, self.flops_budget, self.gpu_s_budget))
+
+    @property
     def lr_schedule(self) -> str:
-        """After `lr_warmup_steps`, linear decay to the last step; constant under a time or FLOPs budget, whose last
-        step is not known ahead."""
-        if self.time_budget_s is None and self.flops_budget is None:
+        """After `lr_warmup_steps`, linear decay to the last step; constant under a time, FLOPs or GPU-seconds
+        budget, whose last step is not known ahead."""
+        if not self.budgeted:
             return "linear"
         return "constant_with_warmup" if self.lr_warmup_steps else "constant"
 
@@ -104,10 +110,10 @@ class GRPO:
 class SFTControl(GRPO):
     """The control arm of a GRPO experiment (`algorithm=sft_control`): from the same warm start, supervised
     fine-tuning on demonstrations (`sft_demos`: of the tasks GRPO would train on, see `warmstart.task_share`, or the
-    warm start's own) goes on instead of GRPO, for the treatment's budget (`time_budget_s` training seconds or
-    `flops_budget` FLOPs; else `max_steps` SFT steps), validated as GRPO is. It reads GRPO's lengths, validation and
-    budget keys; its own `sft_*` keys say how it trains (an experiment's GRPO settings leave them alone); GRPO's
-    sampling and loss keys, and `async_rollouts`, are unused.
+    warm start's own) goes on instead of GRPO, for the treatment's budget (`time_budget_s` training seconds,
+    `flops_budget` FLOPs or `gpu_s_budget` GPU-seconds; else `max_steps` SFT steps), validated as GRPO is. It reads
+    GRPO's lengths, validation and budget keys; its own `sft_*` keys say how it trains (an experiment's GRPO settings
+    leave them alone); GRPO's sampling and loss keys, and `async_rollouts`, are unused.
     """
 
     name: str = "sft_control"
@@ -117,7 +123,7 @@ class SFTControl(GRPO):
     # whose demonstrations: rl, the tasks GRPO trains on (gold GRPO never sees: with warmstart.task_share < 1, a
     # ceiling); warmstart, the warm start's own (SFT continued on what it had: no data GRPO's pool lacks)
     sft_demos: str = one_of("rl", ("rl", "warmstart"))
-    max_steps: int = number(1000, ge=-1)  # SFT steps, unless time_budget_s or flops_budget ends it first
+    max_steps: int = number(1000, ge=-1)  # SFT steps, unless a budget (time, FLOPs, GPU-seconds) ends it first
 
     @property
     def overlapped(self) -> bool:
@@ -125,10 +131,10 @@ class SFTControl(GRPO):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.time_budget_s is None and self.flops_budget is None and self.max_steps <= 0:
+        if not self.budgeted and self.max_steps <= 0:
             raise ValueError(
-                "algorithm=sft_control needs algorithm.time_budget_s or flops_budget (the treatment's compute) or "
-                "max_steps"
+                "algorithm=sft_control needs algorithm.time_budget_s, flops_budget or gpu_s_budget (the treatment's "
+                "compute) or max_steps"
             )
 
 

@@ -4,7 +4,9 @@ Every engine honours the same contract, so the policy server and the trainer nev
 - a completion's `token_ids` are exactly what was sampled, its first eos id included when it stopped there;
 - `logprobs[i]` is log p(token_ids[i]) under the logits divided by the temperature (the raw logits when greedy),
   which is what the trainer computes over the same tokens;
-- a completion never has more than its request's `max_new_tokens`.
+- a completion never has more than its request's `max_new_tokens`;
+- `prefilled` is how many of the prompt's tokens the engine ran through the model for it: all of them for `hf` and
+  `static` (neither keeps a prefix cache), those vLLM did not find in its prefix cache (counted: backends/compute.py).
 
 An engine's life in a training run: `load(model)` before each rollout phase (the optimizer moved the weights), then
 `generate` (a batch) or `submit` (one request, for engines that batch continuously), then `sleep()` before the update
@@ -25,6 +27,7 @@ class Completion:
     finish_reason: str  # "stop" (ended with an eos id) or "length"
     # log p of each token under logits / temperature (logits as they are when greedy), what the trainer computes
     logprobs: list[float] | None = None
+    prefilled: int | None = None  # prompt tokens computed for it (None: the whole prompt)
 
 
 class Engine(Protocol):
@@ -76,10 +79,13 @@ class ContinuousEngine(Protocol):
     ) -> Completion: ...
 
 
-def finish(ids: list[int], max_new: int, eos_ids: set[int], logprobs: list[float] | None = None) -> Completion:
-    """Cut a row at its own budget and at its first eos id (kept, as the model produced it)."""
+def finish(
+    ids: list[int], max_new: int, eos_ids: set[int], logprobs: list[float] | None = None, prefilled: int | None = None
+) -> Completion:
+    """Cut a row at its own budget and at its first eos id (kept, as the model produced it); `prefilled`: the
+    prompt tokens the engine computed for it."""
     ids = ids[:max_new]
     stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
     end = len(ids) if stop is None else stop + 1
     lps = None if logprobs is None else logprobs[:end]
-    return Completion(ids[:end], "length" if stop is None else "stop", lps)
+    return Completion(ids[:end], "length" if stop is None else "stop", lps, prefilled)

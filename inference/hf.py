@@ -58,9 +58,9 @@ class HFGenerate:
             **sampling,
         )[:, width:]
         logprobs = recorder.finish(tokens[:, -1]).tolist()
-        return [
-            finish(ids, n, eos_ids, lps) for ids, n, lps in zip(tokens.tolist(), max_new_tokens, logprobs, strict=True)
-        ]
+        rows = zip(tokens.tolist(), max_new_tokens, logprobs, prompts, strict=True)
+        # every prompt prefilled whole: nothing is cached between calls
+        return [finish(ids, n, eos_ids, lps, prefilled=len(p)) for ids, n, lps, p in rows]
 
 
 class _LogprobRecorder(LogitsProcessor):

@@ -121,8 +121,9 @@ class ServerChat(OpenAIChat):
 
 @dataclass
 class CallRecord:
-    """One LLM call: the exact token ids in and out, each sampled token's log-probability, and whether the prompt is
-    the previous call's prompt and completion followed by new tokens (`continues`)."""
+    """One LLM call: the exact token ids in and out, each sampled token's log-probability, whether the prompt is
+    the previous call's prompt and completion followed by new tokens (`continues`), and how many prompt tokens the
+    engine computed for it (`prefilled`: the whole prompt, less what a prefix cache held; backends/compute.py)."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -130,6 +131,7 @@ class CallRecord:
     continues: bool
     finish_reason: str
     sampled: bool = True  # False: the reply was empty because the rollout's budget was spent; nothing was sampled
+    prefilled: int = 0  # prompt tokens the engine computed (0 when nothing was sampled)
 
 
 @dataclass
@@ -178,6 +180,9 @@ class PolicyServer:
         self.batch_wait_s = batch_wait_s
         self.rollouts: dict[str, _RolloutState] = {}
         self.generate_calls = 0
+        # every sampled call's tokens so far: prompt tokens the engine computed, and tokens it generated
+        self.prefilled_tokens = 0
+        self.generated_tokens = 0
         self._pending: list[_Pending] = []
         self._active: int | None = None
         self._busy = False
@@ -286,6 +291,11 @@ class PolicyServer:
             self._pending.append(pending)
             self._maybe_flush()
             completion, sampled = await pending.future, True
+        prefilled = 0
+        if sampled:
+            prefilled = len(prompt_ids) if completion.prefilled is None else completion.prefilled
+            self.prefilled_tokens += prefilled
+            self.generated_tokens += len(completion.token_ids)
         state.records.append(
             CallRecord(
                 prompt_ids,
@@ -294,6 +304,7 @@ class PolicyServer:
                 continues,
                 completion.finish_reason,
                 sampled,
+                prefilled,
             )
         )
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

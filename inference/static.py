@@ -551,4 +551,6 @@ class StaticGenerate:
                 break
         out = r.out[:n, :taken].tolist()
         logp = r.logp[:n, :taken].tolist()
-        return [finish(ids_, m, eos_ids, lp) for ids_, m, lp in zip(out, max_new_tokens, logp, strict=True)]
+        rows = zip(out, max_new_tokens, logp, prompts, strict=True)
+        # every prompt prefilled whole: the cache holds one call's rows and is written over by the next
+        return [finish(ids_, m, eos_ids, lp, prefilled=len(p)) for ids_, m, lp, p in rows]

@@ -10,7 +10,8 @@
   it to vLLM's running batch before the next `step()` (a decode step for the running requests, prefill chunks for the
   new ones) and returns each finished request to its waiting coroutine. No request waits for another turn to end.
 - Prefix caching: every turn re-sends the conversation and every group shares its task prompt; vLLM's prefix cache
-  keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale).
+  keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale). A
+  completion's `prefilled` is its prompt less the tokens vLLM served from that cache (`num_cached_tokens`).
 - Weights: vLLM starts with dummy weights built from the model's config; `load(model)` copies the trainer's current
   weights in through vLLM's own `load_weights` (the checkpoint's names and its q/k/v, gate/up stacking), before every
   rollout phase (`inference/weights.py`). LoRA: each adapted weight is sent merged, W + B·A·scaling computed into a
@@ -410,7 +411,10 @@ def _completion(output: Any, request: _Request) -> Completion:
     logprobs = None
     if sample.logprobs is not None:
         logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, ids, strict=True)]
-    return finish(ids, request.max_new_tokens, request.eos_ids, logprobs)
+    # the prompt tokens vLLM computed: those its prefix cache did not hold when the request was first scheduled
+    # (`num_cached_tokens`, None or -1 before then; a preempted request's recomputation is not in it)
+    cached = max(0, output.num_cached_tokens or 0)
+    return finish(ids, request.max_new_tokens, request.eos_ids, logprobs, prefilled=len(request.prompt_ids) - cached)
 
 
 def _settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:

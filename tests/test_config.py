@@ -120,6 +120,7 @@ def test_warmstart_none_means_no_warm_start_also_with_an_experiment_that_shorten
         (["model.chat_template=llama3"], "model.chat_template=llama3 writes tool calls as llama3_json"),
         (["data.split_seed=-1"], "data.split_seed"),
         (["algorithm.flops_budget=0"], "algorithm.flops_budget"),
+        (["algorithm.gpu_s_budget=0"], "algorithm.gpu_s_budget"),
         (["algorithm.pool_samples=1"], "algorithm.pool_samples"),
         (["warmstart.path=/no/such/warmstart"], "warmstart.path"),
         (["model=qwen3-0.6b", "model.tool_call_format=xml"], "model.tool_call_format"),

@@ -66,6 +66,17 @@ def test_greedy_static_decoding_matches_generate_across_calls_and_an_eos_stop(ti
     assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
 
 
+def test_both_engines_prefill_every_prompt_token_of_every_call(tiny) -> None:
+    """Neither keeps a prefix cache: prompts that share a prefix, and a call that repeats one, each computed whole
+    (backends/compute.py charges 2N a token for it)."""
+    tokenizer = tiny[1]
+    prompts = prompts_of(tokenizer, ["What is in the table?", "What is in the table? SELECT name", "Hi"])
+    engine = StaticGenerate(block=16)
+    for _ in range(2):  # the static engine's cache is reused by the second call: its prompts are computed again
+        for completions in both(tiny, prompts, [4, 4, 4], {tokenizer.eos_token_id}, engine=engine):
+            assert [c.prefilled for c in completions] == [len(p) for p in prompts]
+
+
 def per_token_logps(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     """What the GRPO loss uses: the model's forward over prompt + completion, TRL's selective log-softmax."""
     ids = torch.tensor([prompt + completion])

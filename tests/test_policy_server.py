@@ -117,6 +117,9 @@ def test_a_spent_response_budget_ends_the_rollout_with_length_and_its_sample_is_
     first, second = server.pop_records("r0")
     assert len(first.completion_ids) <= 8
     assert second.completion_ids == [] and second.finish_reason == "length" and not second.sampled
+    # compute: the sampled call prefilled its whole prompt (HF generate), the unsampled one nothing
+    assert (first.prefilled, second.prefilled) == (len(first.prompt_ids), 0)
+    assert (server.prefilled_tokens, server.generated_tokens) == (first.prefilled, len(first.completion_ids))
     assert flatten([first, second], max_completion_tokens=1000) == "overflow"  # never cut with the full reward
 
 

@@ -285,13 +285,16 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
 
     steps = metrics_of(grpo_dir)
     assert [m["step"] for m in steps] == [0, 1] and first["grpo"]["steps"] == 1
-    # compute: 6N per trained token, 2N per generated token and per forward-only one (a reference model's: none
-    # here; the IS correction reads the loss's own forward)
+    # compute: 6N per trained token, 2N per prefilled or generated token and per forward-only one (a reference
+    # model's: none here; the IS correction reads the loss's own forward); GPU-seconds: one rank's training seconds
     n, step = first["grpo"]["compute"]["parameters"], steps[-1]
     assert step["compute/trained_tokens"] > 0 and step["compute/generated_tokens"] > 0
+    assert step["compute/prefill_tokens"] > 0 and step["compute/pool_flops"] == 0
     assert step["compute/forward_only_tokens"] == 0 and step["train/sampling/is_ratio/mean"] > 0
     flops = n * (6 * step["compute/trained_tokens"] + 2 * step["compute/forward_only_tokens"])
-    assert step["compute/flops"] == flops + 2 * n * step["compute/generated_tokens"]
+    assert step["compute/flops"] == flops + 2 * n * (step["compute/generated_tokens"] + step["compute/prefill_tokens"])
+    assert step["compute/gpu_s"] == step["train/elapsed_s"] and first["grpo"]["compute"]["ranks"] == 1
+    assert first["grpo"]["compute"]["wall_s"] == first["grpo"]["wall_s"] >= first["grpo"]["train_s"]
     assert steps[-1]["train/learning_rate"] == 0  # the first step of a warm-up from 0 (transformers' schedule)
     assert "val/accuracy" in steps[-1] and first["grpo"]["train_s"] == steps[-1]["train/elapsed_s"]
 
@@ -303,6 +306,7 @@ def test_the_control_arm_starts_from_the_shared_warm_start_and_stops_on_its_budg
     # the FLOPs budget ends the control at the first step end past it: no step logged before it had spent it
     assert lines[-1]["compute/flops"] >= CONTROL_FLOPS > max(m["compute/flops"] for m in lines[1:-1])
     assert lines[-1]["compute/flops"] == 6 * n * lines[-1]["compute/trained_tokens"] and lines[-1]["step"] >= 3
+    assert lines[-1]["compute/gpu_s"] == lines[-1]["train/elapsed_s"]  # one rank, no pool
     assert second["sft_control"]["steps"] == lines[-1]["step"] and "val_final" in second
     assert "val accuracy after more SFT" in control.stdout and "SFT reused" in control.stdout
 

@@ -30,9 +30,18 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ["You are a helpful assistant.", "What is in the table?", "SELECT name FROM people"] * 10
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class FakeLLM:
     """vLLM's LLM as VLLMEngine uses it. Each step adds one token to every running request: token = (prompt length
-    + position) % vocab, log-prob -0.5 - position / 100; a request ends at its max tokens or a stop id."""
+    + position) % vocab, log-prob -0.5 - position / 100; a request ends at its max tokens or a stop id. Its prefix
+    cache: a request finds the longest prefix of its prompt that an earlier one since the last reset had (at most all
+    but its last token, which vLLM always computes), and reports it as `num_cached_tokens`."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
@@ -41,6 +50,8 @@ class FakeLLM:
         self.loaded: list[str] = []
         self.step_no = 0
         self.batch_sizes: list[int] = []
+        self.cached_prompts: list[list[int]] = []
+        self.cached: dict[str, int] = {}  # by request id: the prompt tokens it found in the prefix cache
         self.hold_long_until_adds = 0  # a request of over 10 tokens does not end before this many requests came
         self.llm_engine = self
         model = SimpleNamespace(load_weights=self._load_weights)
@@ -54,7 +65,11 @@ class FakeLLM:
 
     def add_request(self, request_id: str, prompt: dict[str, list[int]], params: Any) -> None:
         self.events.append(("add", request_id, self.step_no))
-        self.running[request_id] = {"prompt": prompt["prompt_token_ids"], "params": params, "out": []}
+        ids = prompt["prompt_token_ids"]
+        self.running[request_id] = {"prompt": ids, "params": params, "out": []}
+        shared = max((common_prefix(ids, p) for p in self.cached_prompts), default=0)
+        self.cached[request_id] = min(shared, len(ids) - 1)
+        self.cached_prompts.append(ids)
 
     def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
         for request_id in request_ids:
@@ -78,7 +93,10 @@ class FakeLLM:
                 self.events.append(("finish", request_id, self.step_no))
                 logprobs = [{t: SimpleNamespace(logprob=-0.5 - i / 100)} for i, t in enumerate(r["out"])]
                 sample = SimpleNamespace(token_ids=r["out"], logprobs=logprobs)
-                finished.append(SimpleNamespace(request_id=request_id, finished=True, outputs=[sample]))
+                cached = self.cached[request_id]
+                finished.append(
+                    SimpleNamespace(request_id=request_id, finished=True, outputs=[sample], num_cached_tokens=cached)
+                )
         return finished
 
     def sleep(self, level: int) -> None:
@@ -89,6 +107,7 @@ class FakeLLM:
 
     def reset_prefix_cache(self) -> None:
         self.events.append(("reset_prefix_cache",))
+        self.cached_prompts = []
 
 
 def fake_engine(vocab: int = 300, **settings: Any) -> tuple[VLLMEngine, list[FakeLLM]]:
@@ -150,6 +169,14 @@ def test_requests_join_the_running_batch_as_they_arrive(tiny) -> None:
     sample = flatten([first, second], max_completion_tokens=1000)
     assert not isinstance(sample, str)
     assert [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m] == [-0.5, -0.51, -0.52] * 2
+    # compute: each call prefilled what vLLM's prefix cache did not hold; B's first prompt is A's, all of it cached
+    # but the last token; its second continues its first, whose prompt the cache holds
+    cached = [started[0].cached[request_id] for _, request_id, _ in b_turns]
+    assert [first.prefilled, second.prefilled] == [
+        len(first.prompt_ids) - cached[0],
+        len(second.prompt_ids) - cached[1],
+    ]
+    assert first.prefilled == 1 and len(first.prompt_ids) <= cached[1] < len(second.prompt_ids)
     engine.close()
 
 

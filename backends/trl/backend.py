@@ -227,7 +227,9 @@ class TRLBackend:
         model = (
             begin.model if begin.model is not None else setup.model.load_model(str(begin.checkpoint or source), device)
         )
-        compute = ComputeCount(model.num_parameters(), 4 if setup.finetune.peft_config() is not None else 6)
+        compute = ComputeCount(
+            model.num_parameters(), 4 if setup.finetune.peft_config() is not None else 6, ranks=world_size()
+        )
         resumed_at = int(Path(resume_from).name.split("-")[-1]) if resume_from is not None else 0  # its step
         if resume_from is None:
             initial = validation(model, "after_sft" if warm else "initial")
@@ -239,9 +241,11 @@ class TRLBackend:
                 run.drop_metrics_after(resumed_at)
             results["resumed_from"] = Path(resume_from).name
         results["arm"] = algo.name
-        if algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart"):
+        if trains_on_pool(algo):  # and is charged the pool's sampling (`_pool`), whichever run sampled it
             start = weights_digest(begin.checkpoint) if begin.checkpoint else f"untrained {source}"
-            train_tasks, results["pool"] = self._pool(model, tokenizer, setup, train_tasks, start, metric, device)
+            train_tasks, results["pool"] = self._pool(
+                model, tokenizer, setup, train_tasks, start, metric, device, compute
+            )
             results["train_tasks"] = len(train_tasks)
         if is_main():  # once the tasks RL trains on are known
             phases = (warm_tasks, train_tasks, val_tasks, test_tasks)
@@ -356,14 +360,15 @@ class TRLBackend:
             )
         if resume_from is not None and trainer.state.global_step == resumed_at:  # resumed after its last step
             validation(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
+        wall_s = time.monotonic() - start
         record = {
             "steps": trainer.state.global_step,
             "async_rollouts": overlap,
             "prefetch_missed": rollout_func.missed,  # async: batches read ahead that no step asked for
             "discarded_in_flight": discarded,
-            "wall_s": time.monotonic() - start,
+            "wall_s": wall_s,
             "train_s": step_log.train_s,
-            "compute": compute.summary(),
+            "compute": compute.summary(wall_s),
         }
         return trainer, rollout_func, record
 
@@ -407,13 +412,13 @@ class TRLBackend:
         trainer.save_model(str(run.checkpoints / "final"))
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
-        steps = trainer.state.global_step
+        steps, wall_s = trainer.state.global_step, time.monotonic() - start
         return {
             "sft_control": {
                 "steps": steps,
-                "wall_s": time.monotonic() - start,
+                "wall_s": wall_s,
                 "train_s": budget.train_s,
-                "compute": compute.summary(),
+                "compute": compute.summary(wall_s),
             }
         }
 
@@ -426,10 +431,13 @@ class TRLBackend:
         start: str,
         metric: Any,
         device: str,
+        compute: ComputeCount,
     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The RL tasks the starting policy solves some but not all of `algorithm.pool_samples` times (backends/trl/
         pool.py): worked out once per starting weights and settings, kept beside the shared warm starts (or in the
-        run's checkpoints without one), read by every later run."""
+        run's checkpoints without one), read by every later run; and the summary's `pool`. What sampling the pool
+        cost (at `compute`'s parameters and ranks, when this run samples it) is charged to `compute`, whichever run
+        sampled it: this arm trains on the pool."""
         algo = setup.algorithm
         sampling = algo.sampling(algo.temperature)
         settings = {
@@ -454,14 +462,15 @@ class TRLBackend:
             setup.run.phase = f"sampling the pool ({algo.pool_samples} a task)"
             load = lambda: server.load(server.model)  # noqa: E731  (the engine sleeps after each chunk)
             args = (setup.agent, tasks, server, load, metric, sampling, algo.pool_samples, algo.reward_timeout_s)
-            return sample_pool(*args)
+            return sample_pool(*args, parameters=compute.parameters, ranks=compute.ranks)
 
         if is_main():
             pool, record = filtered_pool(tasks, path, sample, exclusive=world_size() == 1)
         agreed(True)  # the other ranks wait here for rank 0's file
         if not is_main():
             pool, record = filtered_pool(tasks, path, sample, exclusive=False)
-        return pool, record
+        compute.charge_pool(record["flops"], record["gpu_s"])
+        return pool, record | {"charged_flops": compute.pool_flops, "charged_gpu_s": compute.pool_gpu_s}
 
     def weights(self, device: str, dtype: torch.dtype, snapshot: bool = False) -> GenerationWeights:
         """What the engines generate from (the model, or its gathered copy in `dtype` when sharded or `snapshot`):
@@ -527,6 +536,12 @@ class TRLBackend:
 
 
 _UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
+
+
+def trains_on_pool(algo: GRPO) -> bool:
+    """Whether the arm's training data comes from the filtered pool (`algorithm.pool_samples`): GRPO's and RFT's tasks,
+    gold SFT's demonstrations of them (`sft_demos=rl`); not SFT continued on the warm start's own demonstrations."""
+    return algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart")
 
 
 def write_splits(
@@ -606,7 +621,7 @@ class _StopAtStepEnd(TrainerCallback):
 
 class _Budget(TrainerCallback):
     """The control arm's clock and log: training seconds (validation not counted); validates every `sft_val_every`
-    SFT steps, and at the end (the time budget spent, or `max_steps`), where it stops training."""
+    SFT steps, and at the end (a time, FLOPs or GPU-seconds budget spent, or `max_steps`), where it stops training."""
 
     def __init__(self, setup: TrainSetup, validate: Any, compute: ComputeCount) -> None:
         self.setup = setup
@@ -625,11 +640,13 @@ class _Budget(TrainerCallback):
             self.loss = float(logs["loss"])
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        self.train_s += time.perf_counter() - self._since
+        seconds = time.perf_counter() - self._since
+        self.train_s += seconds
         self.compute.trained = float(self.tokens_seen())
+        self.compute.add(seconds=seconds)
         algo, step = self.setup.algorithm, state.global_step
-        budget = algo.time_budget_s
-        spent = (budget is not None and self.train_s >= budget) or self.compute.spent(algo.flops_budget)
+        out_of_time = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
+        spent = out_of_time or self.compute.spent(algo.flops_budget, algo.gpu_s_budget)
         last = step == state.max_steps or agreed(spent)
         if last or step % algo.sft_val_every == 0:
             metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss, **self.compute.metrics()}
@@ -645,7 +662,8 @@ class _Budget(TrainerCallback):
 
 class _StepLog(TrainerCallback):
     """Writes TRL's per-step logs, the rollouts' stats and the step's phase times (`timing_s/*`) to metrics.jsonl;
-    validates every `val_every` steps, and at the end: `max_steps`, or the time budget spent (it stops training there).
+    validates every `val_every` steps, and at the end: `max_steps`, or a time, FLOPs or GPU-seconds budget spent (it
+    stops training there).
 
     timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
     generation engine (gathered first when sharded; ~0 for an unsharded model and an engine that reads it);
@@ -674,7 +692,8 @@ class _StepLog(TrainerCallback):
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        self.train_s += time.perf_counter() - self._step_start
+        seconds = time.perf_counter() - self._step_start
+        self.train_s += seconds
         if world_size() > 1:  # every rank's rollout stats, averaged (a collective: every rank is here)
             shares = gather_object([self.rollouts.last_stats])
             keys = dict.fromkeys(k for share in shares for k in share)  # a rank may lack one (no check verdicts)
@@ -683,8 +702,13 @@ class _StepLog(TrainerCallback):
             self.stats = self.rollouts.last_stats
         tokens = _per_rank(self.rollouts.last_tokens)  # summed over ranks (a collective)
         trained = sum(t.get("trained", 0) for t in tokens)
-        generated = sum(t.get("generated", 0) for t in tokens)
-        self.compute.add(trained=trained, generated=generated, forward_only=self.forward_passes * trained)
+        self.compute.add(
+            trained=trained,
+            generated=sum(t.get("generated", 0) for t in tokens),
+            forward_only=self.forward_passes * trained,
+            prefill=sum(t.get("prefill", 0) for t in tokens),
+            seconds=seconds,
+        )
         if self.rollouts.memory is not None:  # every rank has one on GPUs (a collective)
             self.memory = gpu_memory_metrics(_per_rank(self.rollouts.memory.summary()))
         step = state.global_step
@@ -698,10 +722,10 @@ class _StepLog(TrainerCallback):
             control.should_training_stop = True
 
     def budget_spent(self) -> bool:
-        """Whether the time or FLOPs budget is spent, rank 0's verdict on every rank (a collective)."""
+        """Whether the time, FLOPs or GPU-seconds budget is spent, rank 0's verdict on every rank (a collective)."""
         algo = self.setup.algorithm
         spent = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
-        return agreed(spent or self.compute.spent(algo.flops_budget))
+        return agreed(spent or self.compute.spent(algo.flops_budget, algo.gpu_s_budget))
 
     def _timings(self) -> dict[str, float]:
         rollout = self.stats.get("timing_s/rollout", 0.0) + self.stats.get("timing_s/weight_sync", 0.0)

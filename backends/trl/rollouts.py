@@ -98,7 +98,7 @@ class AgentRollouts:
         self.last_stats: dict[str, float] = {}
         self.last_rollouts: list[Rollout] = []
         self.last_samples: list[Sample] = []
-        self.last_tokens: dict[str, int] = {}  # this rank's last phase: tokens sampled, and tokens it trains on
+        self.last_tokens: dict[str, int] = {}  # this rank's last phase: tokens prefilled, sampled, and trained on
         self._counter = 0  # rollouts started on this rank over the run (they are named r0, r1, ...)
         # algorithm.async_rollouts: the next step's batch generates in the background during this step's update
         self.asynchronous = asynchronous
@@ -243,8 +243,10 @@ class AgentRollouts:
                 )
         self.last_rollouts, self.last_samples = rollouts, samples
         trained = [s for s in samples if s.excluded is None]
+        sampled = [c for calls in records for c in calls if c.sampled]
         self.last_tokens = {
-            "generated": sum(len(c.completion_ids) for calls in records for c in calls if c.sampled),
+            "prefill": sum(c.prefilled for c in sampled),  # what each call's engine computed of its prompt
+            "generated": sum(len(c.completion_ids) for c in sampled),
             "trained": sum(len(s.prompt_ids) + len(s.completion_ids) for s in trained),
         }
         self.last_stats = {

@@ -106,7 +106,7 @@ def check_algorithm(algo: GRPO) -> None:
         raise ConfigError(f"algorithm.is_correction={algo.is_correction}: backend=verl maps {known}")
     if algo.epochs != math.floor(algo.epochs):
         raise ConfigError(f"algorithm.epochs={algo.epochs}: verl counts whole epochs")
-    for key in ("time_budget_s", "flops_budget"):
+    for key in ("time_budget_s", "flops_budget", "gpu_s_budget"):
         if (value := getattr(algo, key)) is not None:
             raise ConfigError(f"algorithm.{key}={value}: backend=trl's; backend=verl counts steps (max_steps)")
     if algo.pool_samples is not None:
