@@ -212,6 +212,14 @@ class EvalSummary:
         return {name: {k: v for k, v in of.items() if k != "wall_s"} for name, of in scores.items()}
 
 
+def item_scores(rollouts: Sequence[Rollout]) -> dict[str, float | None]:
+    """Each task's score by its id (None where the reward is missing): what `RunDir.write_scores` keeps."""
+    scores = {str(r.task["id"]): r.reward for r in rollouts}
+    if len(scores) < len(rollouts):
+        raise ValueError(f"{len(rollouts) - len(scores)} tasks share an id: item-level scores need unique task ids")
+    return scores
+
+
 async def evaluate(
     agent: Agent,
     tasks: Sequence[dict[str, Any]],

@@ -21,35 +21,42 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import html
+import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 from scipy import stats
 
 from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load
+from analysis.verdicts import (
+    EXPLORATORY,
+    LEDGER,
+    Ledger,
+    Verdict,
+    compare,
+    declared,
+    declared_keys,
+    look_note,
+    value_column,
+)
 from foundation.run_dir import is_factor, override_key
+from foundation.stats import POWER, Comparison, Estimate, welch
+from foundation.study import METRICS, WARM_START, Study
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 ACCURACY_METRICS = {"val_initial", "val_final", "val_best", "test_final"}  # fractions, shown as percentages
 SUBSET_SEP = ":"  # `val_final:entity`: the final validation accuracy on one subset (logged as val/entity/accuracy)
-METRICS = {
-    "val_final": "validation accuracy at the last step",
-    "val_best": "best validation accuracy over steps",
-    "val_initial": "validation accuracy before GRPO",
-    "test_final": "test accuracy of the final model (the test split, scored once at the end)",
-    "reward_final": "training reward at the last step",
-}
-WITHIN_NOISE, BEYOND_NOISE, NO_ERROR_BAR = "within noise", "beyond noise", "no error bar (n < 2)"
-POWER = 0.8  # the power at which the smallest detectable difference is stated
 SPLIT_METRICS = ("val_final", "test_final")  # final accuracies also logged per subset of their split
 CONTROL_ARM = "sft_control"  # the `arm` a control run's summary names (backends/algorithm.py SFTControl)
 ELAPSED = "train/elapsed_s"  # training seconds, validation not counted
@@ -88,8 +95,19 @@ def warm_start_of(run: Run) -> str | None:
     return (run.summary.get("sft") or {}).get("weights_sha256")
 
 
-def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
-    """One row per run: factors, seed, status, metrics, cost; and the final accuracy per validation subset."""
+def cluster_of(run: Run, key: str) -> str | None:
+    """The run's cluster (`analysis.cluster`): its warm start's digest, or the value of the config key named."""
+    value = warm_start_of(run) if key == WARM_START else run.value(key)
+    return None if value is None else str(value)
+
+
+def run_table(
+    runs: list[Run], factors: list[str], study: Study | None = None, metric: str = "val_final"
+) -> pd.DataFrame:
+    """One row per run: factors, seed, status, metrics, cost; the final accuracy per validation subset; its cluster
+    (`study.cluster`), the values the study's declarations match on and each question's `metric` score (`items`)."""
+    study = study or Study()
+    keys = [k for k in declared_keys(study) if k not in factors]
     rows = []
     for run in runs:
         val = [m["val/accuracy"] for m in run.metrics if m.get("val/accuracy") is not None]
@@ -115,20 +133,26 @@ def run_table(runs: list[Run], factors: list[str]) -> pd.DataFrame:
                 "gpu_hours": wall_s * gpus / 3600 if wall_s is not None and gpus is not None else None,
                 "arm": run.summary.get("arm"),
                 "pair": f"seed={run.value('seed')} warm={warm_start_of(run)}",  # runs of one pair: the same start
+                "cluster": cluster_of(run, study.cluster),  # the independent unit the pair belongs to
+                "items": run.items.get(metric),  # id -> score on the metric's evaluation, where the run kept them
                 "train_gpu_s": _train_gpu_s(run, gpus),
+                "gpu_s": _last(run.metrics, "compute/gpu_s"),  # training's and the pool's charge (backends/compute.py)
                 "tokens": _last(run.metrics, "train/num_tokens"),
                 "flops": _last(run.metrics, "compute/flops"),
                 "budget_s": run.value("algorithm.time_budget_s"),
                 "budget_flops": run.value("algorithm.flops_budget"),
+                "budget_gpu_s": run.value("algorithm.gpu_s_budget"),
                 "error": (run.error or "").splitlines()[0] if run.error else None,
                 "overrides": " ".join(run.overrides),
                 **subsets,
+                **{value_column(f): _cell_value(run.value(f)) for f in factors},
+                **{value_column(k): _cell_value(run.value(k)) for k in keys},
             }
         )
     table = pd.DataFrame(rows)
     numeric = ["val_initial", "val_final", "val_best", "test_final", "reward_final", "steps", "wall_s", "gpus"]
-    numeric += ["gpu_hours", "tokens", "flops", "budget_s", "budget_flops"]
-    numeric += ["train_gpu_s", *subset_metrics(table)]
+    numeric += ["gpu_hours", "tokens", "flops", "budget_s", "budget_flops", "budget_gpu_s"]
+    numeric += ["train_gpu_s", "gpu_s", *subset_metrics(table)]
     table[numeric] = table[numeric].apply(pd.to_numeric)
     # controls first: the first value of a factor is its baseline, and a control is its factor's baseline
     return table.sort_values("arm", key=lambda arm: arm != CONTROL_ARM, kind="stable").reset_index(drop=True)
@@ -152,90 +176,6 @@ def _train_gpu_s(run: Run, gpus: int | None) -> float | None:
 def _cell_value(value: Any) -> Any:
     """Lists and mappings (`finetune.target_modules=[q_proj,v_proj]`) as text, so that cells can be grouped."""
     return str(value) if isinstance(value, list | dict) else value
-
-
-@dataclass
-class Estimate:
-    """Mean and 95% CI half-width over n seeds (half-width None when n < 2)."""
-
-    mean: float
-    half: float | None
-    n: int
-
-    @classmethod
-    def of(cls, values: pd.Series) -> Estimate:
-        x = values.dropna().to_numpy(dtype=float)
-        n = len(x)
-        if n == 0:
-            return cls(math.nan, None, 0)
-        half = float(stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else None
-        return cls(float(x.mean()), half, n)
-
-
-@dataclass
-class Comparison:
-    """other - base: the difference of means, its CI at `level` and p (Welch's t, or a paired t on the differences of
-    runs with the same seed and start), the noise flag, and the smallest difference the test would detect with
-    `POWER` at that level (None where the runs give no spread to judge by)."""
-
-    diff: float
-    low: float | None
-    high: float | None
-    p: float | None
-    flag: str
-    detectable: float | None
-    test: str  # "Welch" or "paired (n pairs)"
-
-
-def difference(base: pd.Series, other: pd.Series, level: float = 0.95) -> Comparison:
-    """other - base over independent runs (Welch's t)."""
-    a, b = base.dropna().to_numpy(dtype=float), other.dropna().to_numpy(dtype=float)
-    diff = float(b.mean() - a.mean()) if len(a) and len(b) else math.nan
-    if len(a) < 2 or len(b) < 2:
-        return Comparison(diff, None, None, None, NO_ERROR_BAR, None, "Welch")
-    if _constant(a) and _constant(b):  # no seed variance at all: the t-test is undefined
-        return Comparison(diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE, None, "Welch")
-    test = stats.ttest_ind(b, a, equal_var=False)
-    ci = test.confidence_interval(level)
-    se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
-    return _comparison(diff, float(ci.low), float(ci.high), float(test.pvalue), level, float(test.df), se, "Welch")
-
-
-def paired_difference(pairs: pd.DataFrame, level: float = 0.95) -> Comparison:
-    """other - base over pairs of runs (columns `base`, `other`: one row per seed and start), by a paired t-test."""
-    d = (pairs["other"] - pairs["base"]).dropna().to_numpy(dtype=float)
-    name = f"paired ({len(d)} pairs)"
-    diff = float(d.mean()) if len(d) else math.nan
-    if len(d) < 2:
-        return Comparison(diff, None, None, None, NO_ERROR_BAR, None, name)
-    if _constant(d):
-        return Comparison(diff, diff, diff, None, WITHIN_NOISE if diff == 0 else BEYOND_NOISE, None, name)
-    test = stats.ttest_1samp(d, 0.0)
-    ci = test.confidence_interval(level)
-    se = float(d.std(ddof=1) / math.sqrt(len(d)))
-    return _comparison(diff, float(ci.low), float(ci.high), float(test.pvalue), level, len(d) - 1, se, name)
-
-
-def _constant(x: np.ndarray) -> bool:
-    """No spread beyond rounding (0.62 - 0.54 and 0.64 - 0.55 differ by 1e-17)."""
-    return bool(np.ptp(x) <= 1e-12 * max(1.0, float(np.abs(x).max())))
-
-
-def _comparison(
-    diff: float, low: float, high: float, p: float, level: float, df: float, se: float, test: str
-) -> Comparison:
-    detectable = float((stats.t.ppf(1 - (1 - level) / 2, df) + stats.t.ppf(POWER, df)) * se)
-    return Comparison(diff, low, high, p, WITHIN_NOISE if low <= 0 <= high else BEYOND_NOISE, detectable, test)
-
-
-def compare(base: pd.DataFrame, other: pd.DataFrame, metric: str, level: float = 0.95) -> Comparison:
-    """`other` against `base` on `metric`: paired where every run of each side that has the metric has exactly one
-    partner on the other side with the same seed and warm start (`pair`), else Welch's."""
-    a, b = base[base[metric].notna()], other[other[metric].notna()]
-    if len(a) >= 2 and a.pair.is_unique and b.pair.is_unique and set(a.pair) == set(b.pair):
-        pairs = pd.DataFrame({"base": a.set_index("pair")[metric], "other": b.set_index("pair")[metric]})
-        return paired_difference(pairs, level)
-    return difference(a[metric], b[metric], level)
 
 
 def _fmt(value: float | None, metric: str, signed: bool = False) -> str:
@@ -315,7 +255,7 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
             if level == levels[0]:
                 row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": "", "detectable Δ": ""}
             else:
-                c = difference(base[metric], runs[metric])
+                c = welch(base[metric], runs[metric])
                 ci = f"[{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else "n/a"
                 row |= {
                     "Δ vs baseline": _fmt(c.diff, metric, True),
@@ -328,9 +268,10 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
     return pd.DataFrame(rows)
 
 
-def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[str]:
+def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[Line]:
     """One line per treatment cell against the control run with the same other factors: both means ± 95% CI, the
-    difference with its CI at `level` (Welch), and better / worse / inside noise (that CI against 0)."""
+    difference with its CI at `level` (`compare`: paired at the warm-start level where the runs pair, else Welch),
+    and better / worse / inside noise (that CI against 0), exploratory."""
     controls, treatments, arm_factors, others = _arms(table, factors)
     if controls.empty or treatments.empty:
         return []
@@ -340,7 +281,7 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level
         group = _in_cell(treatments, others, context)
         where = f" ({_label(others, context)})" if others else ""
         if control.empty:
-            lines.append(f"{_label(others, context)}: no control run with these values, no verdict.")
+            lines.append(Line(f"{_label(others, context)}: no control run with these values, no verdict.", None))
             continue
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
@@ -359,7 +300,7 @@ def _arms(table: pd.DataFrame, factors: list[str]) -> tuple[pd.DataFrame, pd.Dat
     return controls, treatments, arm_factors, [f for f in factors if f not in arm_factors]
 
 
-def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[str]:
+def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[Line]:
     """The treatments against each other (the later-listed against the earlier, the other factors fixed), as the
     verdict lines judge each against the control: does one arm add what another with the same information lacks?"""
     controls, treatments, arm_factors, others = _arms(table, factors)
@@ -378,45 +319,90 @@ def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level:
     return lines
 
 
+class Line(NamedTuple):
+    """A verdict as the report prints it, and what the ledger records of it."""
+
+    text: str
+    verdict: Verdict | None  # None: a line that judges nothing (no control run to compare with)
+
+
 def _verdict(
     label: str, base: pd.DataFrame, runs: pd.DataFrame, metric: str, level: float, than: str = "the control"
-) -> str:
-    """`label`: both means, Δ with its CI (paired or Welch), better / worse / inside noise, the detectable Δ, cost."""
+) -> Line:
+    """An exploratory verdict, `label`: both means, Δ with its CI and p (foundation.stats: paired at the warm-start
+    level, or Welch), better / worse / inside noise by that CI, labelled exploratory and uncorrected."""
     c = compare(base, runs, metric, level)
+    verdict = Verdict(label, "exploratory", c, Estimate.of(runs[metric]), Estimate.of(base[metric]))
+    outcome = verdict.outcome
     if base[metric].isna().all() or runs[metric].isna().all():
-        verdict = f"no verdict (an arm has no `{metric}`)"
-    elif c.flag == NO_ERROR_BAR:
-        verdict = "no verdict (fewer than 2 seeds in an arm)"
-    elif c.flag == WITHIN_NOISE:
-        verdict = "inside noise"
-    else:
-        verdict = f"{'better' if c.diff > 0 else 'worse'} than {than}, beyond noise"
+        outcome = f"no verdict (an arm has no `{metric}`)"
+    elif outcome == "beyond noise":
+        outcome = f"{'better' if c.diff > 0 else 'worse'} than {than}, beyond noise"
+    text = f"{label}: {_means(verdict, metric)}: **{outcome}** ({EXPLORATORY}){_details(c, metric)}. "
+    return Line(text + _compute_line(runs[runs[metric].notna()], base[base[metric].notna()]), verdict)
+
+
+def _means(verdict: Verdict, metric: str) -> str:
+    """Both sides' means and Δ with its interval and p."""
+    c, treated, base = verdict.comparison, verdict.treated, verdict.base
     ci = f" [{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else ""
-    power = ""
-    if c.detectable is not None:
-        power = f"; {c.test}, it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power"
-    treated, baseline = Estimate.of(runs[metric]), Estimate.of(base[metric])  # n: the runs that log it
+    p = f", p = {_fmt_p(c.p)}" if c.p is not None else ""
     return (
-        f"{label}: {_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(baseline, metric)} "
-        f"(n={baseline.n}); Δ {_fmt(c.diff, metric, True)}{ci}: **{verdict}**{power}. "
-        f"{_compute_line(runs[runs[metric].notna()], base[base[metric].notna()])}"
+        f"{_fmt_estimate(treated, metric)} (n={treated.n}) vs {_fmt_estimate(base, metric)} (n={base.n}); "
+        f"Δ {_fmt(c.diff, metric, True)}{ci}{p}"
     )
+
+
+def _details(c: Comparison, metric: str) -> str:
+    """The test, what it could detect, the heterogeneity across clusters and what it cannot claim."""
+    text = f"; {c.test}"
+    if c.detectable is not None:
+        text += f", it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power"
+    if c.heterogeneity is not None:
+        h = c.heterogeneity
+        text += f"; heterogeneity across {h.unit}s F = {h.f:.1f}, p = {_fmt_p(h.p)}"
+    if c.caveat:
+        text += f"; {c.caveat}"
+    return text
+
+
+def _declared_line(verdict: Verdict, family: int, metric: str, look: str) -> str:
+    """A declared comparison: Δ with its CI, p and Holm-adjusted p over the family, the verdict at the family's
+    alpha, the resampled interval over clusters and questions where item scores exist, and the look it comes from."""
+    c = verdict.comparison
+    holm_p = f", Holm-adjusted p = {_fmt_p(verdict.p_holm)} (family of {family}, alpha {verdict.alpha:g})"
+    text = f"**{verdict.name}** ({verdict.role}): {_means(verdict, metric)}{holm_p if c.p is not None else ''}: "
+    text += f"**{verdict.outcome}**{_details(c, metric)}"
+    if verdict.bootstrap is not None:
+        mean, low, high = verdict.bootstrap
+        text += (
+            f"; resampling clusters and questions: Δ {_fmt(mean, metric, True)} [{_fmt(low, metric, True)}, "
+            f"{_fmt(high, metric, True)}]"
+        )
+    return text + (f"; {look}" if look else "") + "."
 
 
 def _fmt_p(p: float | None) -> str:
     return "n/a" if p is None else "<0.001" if p < 0.001 else f"{p:.3f}"
 
 
+BUDGETS = (("budget_flops", "FLOPs", "{:.2e}"), ("budget_gpu_s", "GPU-seconds", "{:g}"))
+BUDGETS += (("budget_s", "training seconds", "{:g} s"),)
+
+
 def _compute_line(treated: pd.DataFrame, control: pd.DataFrame) -> str:
-    """What each arm spent per run (training GPU-seconds; training FLOPs where the runs count them) and which budget
-    the arms shared: FLOPs, training seconds, or none."""
+    """What each arm spent per run (training GPU-seconds; GPU-seconds with the pool's charge and FLOPs where the runs
+    count them) and which budget the arms shared: FLOPs, GPU-seconds, training seconds, or none."""
     seconds = [_fmt_num(r.train_gpu_s.mean(), 0) for r in (treated, control)]
     line = f"Training GPU-seconds per run: {seconds[0]} vs {seconds[1]}"
+    if "gpu_s" in treated and (treated.gpu_s.notna().any() or control.gpu_s.notna().any()):
+        whole = ["n/a" if r.gpu_s.isna().all() else _fmt_num(r.gpu_s.mean(), 0) for r in (treated, control)]
+        line += f"; GPU-seconds with the pool's sampling: {whole[0]} vs {whole[1]}"
     if treated.flops.notna().any() or control.flops.notna().any():
         flops = ["n/a" if r.flops.isna().all() else f"{r.flops.mean():.2e}" for r in (treated, control)]
         line += f"; training FLOPs per run: {flops[0]} vs {flops[1]}"
     both = pd.concat([treated, control])
-    for column, name, fmt in (("budget_flops", "FLOPs", "{:.2e}"), ("budget_s", "training seconds", "{:g} s")):
+    for column, name, fmt in BUDGETS:
         values = both[column]
         if values.notna().all() and values.nunique() == 1:
             return f"{line}; equal budget: {name} ({fmt.format(values.iloc[0])})."
@@ -508,31 +494,67 @@ class Report:
     factors: dict[str, pd.DataFrame]
     problems: pd.DataFrame
     metric: str
-    verdicts: list[str]
-    subset_verdicts: list[str]  # the final accuracy's verdicts again, on each subset of the split
-    pairs: list[str]  # the treatments against each other
+    verdicts: list[Line]
+    subset_verdicts: list[Line]  # the final accuracy's verdicts again, on each subset of the split
+    pairs: list[Line]  # the treatments against each other
+    study: Study  # what the runs declared (`analysis`)
+    declared: list[Verdict]  # the declared comparisons on the study's metric, Holm-adjusted together
+
+    @property
+    def judged(self) -> list[tuple[str, Verdict]]:
+        """Every verdict with the metric it judged: what a look at the test split records."""
+        lines = [*self.verdicts, *self.subset_verdicts, *self.pairs]
+        out = [(self.study.metric, v) for v in self.declared]
+        return out + [(self.metric, line.verdict) for line in lines if line.verdict is not None]
 
 
-def build(runs: list[Run], metric: str = "val_final") -> tuple[Report, list[str]]:
+def study_of(runs: list[Run]) -> Study:
+    """The declaration the runs recorded (`analysis` in their configs): the same in every run that has one; runs
+    from before declarations existed have none (no comparison is declared)."""
+    declarations = {json.dumps(r.config["analysis"], sort_keys=True): r for r in runs if r.config.get("analysis")}
+    if len(declarations) > 1:
+        names = ", ".join(r.name for r in declarations.values())
+        raise ValueError(
+            f"the runs declare different analyses (runs {names}): a study's declaration is fixed before its runs; "
+            "report each study on its own"
+        )
+    if not declarations:
+        return Study()
+    (declaration,) = (json.loads(d) for d in declarations)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Study), declaration))  # type: ignore[return-value]
+
+
+def _renamed(verdict: Verdict | None, metric: str) -> Verdict | None:
+    """A subset's verdict named after its subset too (the ledger keeps each comparison under its own name)."""
+    return None if verdict is None else dataclasses.replace(verdict, name=f"{metric}: {verdict.name}")
+
+
+def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]]:
+    """`metric`: what the exploratory tables compare (default: the declared metric where comparisons are declared,
+    else `val_final`); declared comparisons are always judged on the study's own metric."""
+    study = study_of(runs)
+    metric = metric or (study.metric if study.comparisons else "val_final")
     factors = factor_keys(runs)
-    table = run_table(runs, factors)
+    table = run_table(runs, factors, study, study.metric if study.comparisons else metric)
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
     per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
     verdicts = control_verdicts(table, factors, metric)
     columns = subset_metrics(table, metric) if metric in SPLIT_METRICS else []
     level = 1 - 0.05 / max(len(columns), 1)  # Bonferroni: one test per subset, 5 % for all of them together
     by_subset = [
-        f"`{column.split(SUBSET_SEP, 1)[1]}` questions: {line}"
+        Line(f"`{column.split(SUBSET_SEP, 1)[1]}` questions: {line.text}", _renamed(line.verdict, column))
         for column in columns
         for line in control_verdicts(table, factors, column, level)
     ]
     cells = cell_table(table, factors, metric)
     pairs = treatment_pairs(table, factors, metric)
-    return Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs), factors
+    decl = declared(table, study, study.metric)
+    return Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl), factors
 
 
-def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.DataFrame | None]]:
-    """(heading, text, table) in report order; a figure goes where text names it."""
+def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list[tuple[str, str, pd.DataFrame | None]]:
+    """(heading, text, table) in report order; a figure goes where text names it. `looks`: per declared comparison,
+    where its verdict stands among the looks at the test split."""
     metric = report.metric
     done = int((report.runs.status == COMPLETED).sum())
     intro = (
@@ -541,15 +563,20 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
         f"(`{metric}`{', percent' if is_accuracy(metric) else ''}). Cells show mean ± 95% confidence "
         "interval over seeds (t distribution); a cell with one seed has no error bar."
     )
+    if "" in looks:
+        intro += " " + looks[""]
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
+    out.append(("Declared comparisons", _declared_text(report, looks), None))
     if report.verdicts:
         text = (
+            f"Everything below is {EXPLORATORY}: comparisons the study did not declare, each at 95% on its own. "
             "Each treatment against its control (a run with `arm: sft_control`: the warm start's SFT continued for "
-            "the same budget), over seeds; Δ = treatment - control with its 95% CI: from a paired t-test where "
-            "every treatment run has a control run with its seed and warm start, else from Welch's t-test; and the "
-            f"smallest |Δ| that test would detect with {POWER:.0%} power (at the same confidence level).\n\n"
+            "the same budget); Δ = treatment - control with its 95% CI: where every treatment run has a control run "
+            "with its seed and warm start, a paired t-test, taken on the warm starts' mean differences when seeds "
+            "share warm starts (the warm start is the independent unit); else Welch's t-test; and the smallest |Δ| "
+            f"that test would detect with {POWER:.0%} power (at the same confidence level).\n\n"
         )
-        text += "\n".join(f"- {v}" for v in report.verdicts)
+        text += "\n".join(f"- {line.text}" for line in report.verdicts)
         if report.subset_verdicts:
             k = len(subset_metrics(report.runs, metric))
             split = "test" if metric == "test_final" else "validation"
@@ -558,15 +585,15 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
                 f"runs that log it; with {k} subsets each Δ's CI is {100 - 5 / k:.1f}% (Bonferroni), so that the "
                 f"{k} verdicts together are wrong with at most 5% probability:\n\n"
             )
-            text += "\n".join(f"- {v}" for v in report.subset_verdicts)
+            text += "\n".join(f"- {line.text}" for line in report.subset_verdicts)
         out.append(("Treatment against control", text, None))
     if report.pairs:
         text = (
-            "The treatments against each other, the later-listed against the earlier, tested as above (95%): one arm "
-            "against another with the same information (GRPO against RFT: the policy gradient's baseline and "
-            "negative samples) or against a ceiling.\n\n"
+            f"The treatments against each other ({EXPLORATORY}), the later-listed against the earlier, tested as "
+            "above (95%): one arm against another with the same information (GRPO against RFT: the policy "
+            "gradient's baseline and negative samples) or against a ceiling.\n\n"
         )
-        out.append(("Treatments against each other", text + "\n".join(f"- {v}" for v in report.pairs), None))
+        out.append(("Treatments against each other", text + "\n".join(f"- {line.text}" for line in report.pairs), None))
     cells = (
         "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
         "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."
@@ -575,8 +602,8 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     for factor, table in report.factors.items():
         text = (
             f"Each `{factor}` value against the baseline `{factor}` (its first value), the other factors fixed. "
-            "Δ: difference of means (percentage points for accuracy); its 95% CI and p from Welch's t-test; "
-            "`within noise` when that CI contains 0."
+            "Δ: difference of means (percentage points for accuracy); its 95% CI and p from Welch's t-test "
+            f"({EXPLORATORY}); `within noise` when that CI contains 0."
         )
         out.append((f"Factor `{factor}`", text, table if not table.empty else None))
     out.append(("Learning curves", "curves.png", None))
@@ -586,18 +613,56 @@ def _sections(report: Report, sources: list[str]) -> list[tuple[str, str, pd.Dat
     return out
 
 
+def _declared_text(report: Report, looks: dict[str, str]) -> str:
+    """The study's declared comparisons, or why there are none."""
+    study = report.study
+    if not study.comparisons:
+        return (
+            "None: the runs declare no comparison (`analysis.comparisons`, set by an experiment preset before its "
+            f"runs), so every verdict below is {EXPLORATORY}: a reviewer reads it as a lead, not a result."
+        )
+    text = (
+        f"Declared before the runs (`analysis` in every run's config), judged on `{study.metric}` "
+        f"({METRICS[study.metric]}): {len(report.declared)} comparisons, one family, p-values adjusted by Holm's "
+        f"step-down (family-wise error at most alpha = {study.alpha:g}); a verdict is beyond noise when its "
+        "adjusted p is below alpha. Δ = treatment - baseline with its unadjusted 95% CI. The independent unit is "
+        f"`analysis.cluster` ({study.cluster}): the seeds that share one are averaged first, and under 3 of them a "
+        "verdict says it cannot speak beyond them.\n\n"
+    )
+    family = len(report.declared)
+    return text + "\n".join(
+        f"- {_declared_line(v, family, study.metric, looks.get(v.name, ''))}" for v in report.declared
+    )
+
+
 def _html_text(text: str) -> str:
     """Escaped, with `code` spans as <code>."""
     return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
+
+
+def record_looks(report: Report, out: Path) -> dict[str, str]:
+    """Where the report judges on the test split, its look goes into `out`'s ledger (analysis/verdicts.py `Ledger`).
+    Per declared comparison, the note its verdict carries; under "", a sentence for the report's introduction."""
+    judged = [(metric, v) for metric, v in report.judged if metric.startswith("test")]
+    if not judged:
+        return {}
+    look, before = Ledger(out / LEDGER).record(report.runs, judged[0][0], [v for _, v in judged])
+    notes = {v.name: look_note(v.name, v.outcome, look, before) for v in report.declared}
+    notes[""] = (
+        f"The test split's verdicts here are look {look.look} at it ({LEDGER} in the report's folder: "
+        f"{len(before)} look{'' if len(before) == 1 else 's'} before this one; a re-render of the same runs and "
+        "scores is not a new look)."
+    )
+    return notes
 
 
 def write(report: Report, runs: list[Run], factors: list[str], sources: list[str], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     curves_figure(runs, report.runs, factors, out / "curves.png")
     cost_figure(report.runs, factors, report.metric, out / "cost.png")
-    report.runs.to_csv(out / "runs.csv", index=False)
+    report.runs.drop(columns=["items"]).to_csv(out / "runs.csv", index=False)
     md, body = [], []
-    for heading, text, table in _sections(report, sources):
+    for heading, text, table in _sections(report, sources, record_looks(report, out)):
         level = "#" if heading == "Ablation report" else "##"
         md.append(f"{level} {heading}\n")
         body.append(f"<h{len(level)}>{html.escape(heading.replace('`', ''))}</h{len(level)}>")
@@ -621,14 +686,22 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n")[0])
     parser.add_argument("sources", nargs="+", help="run or sweep directories, or wandb:entity/project[/group]")
     parser.add_argument("--out", type=Path, help="where to write the report (default: the first directory given)")
-    parser.add_argument("--metric", default="val_final", choices=sorted(METRICS), help="the metric the tables compare")
+    parser.add_argument(
+        "--metric",
+        choices=sorted(METRICS),
+        help="the metric the exploratory tables compare (default: the declared one where the runs declare "
+        "comparisons, else val_final); declared comparisons use the study's own",
+    )
     args = parser.parse_args(argv)
     local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
     out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
     runs = load(args.sources)
     if not runs:
         parser.error(f"no runs found under {' '.join(args.sources)}")
-    report, factors = build(runs, args.metric)
+    try:
+        report, factors = build(runs, args.metric)
+    except ValueError as exc:
+        parser.error(str(exc))
     write(report, runs, factors, args.sources, out)
     print(f"{len(runs)} runs ({len(report.problems)} failed or unfinished), factors: {', '.join(factors) or 'none'}")
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")

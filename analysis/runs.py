@@ -1,8 +1,9 @@
 """Runs read back from run directories (a run, a sweep, a tree of them) or a W&B project, into one shape.
 
-A run directory holds `.hydra/` (config, overrides, choices), `metrics.jsonl` and, once the job has ended,
-`summary.json`. A sweep directory holds Hydra's `multirun.yaml` and one numbered run directory per job: jobs the
-sweep defines but that never wrote a directory are kept as `not started`, so no run is silently dropped.
+A run directory holds `.hydra/` (config, overrides, choices), `metrics.jsonl`, `scores/` (each question's score per
+evaluation) and, once the job has ended, `summary.json`. A sweep directory holds Hydra's `multirun.yaml` and one
+numbered run directory per job: jobs the sweep defines but that never wrote a directory are kept as `not started`, so
+no run is silently dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Run:
     choices: dict[str, str] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    # each question's score per evaluation (`scores/<split>_<name>.json`: test_final, val_final, val_step40, ...)
+    items: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
     @property
     def error(self) -> str | None:
@@ -92,6 +95,7 @@ def load_run_dir(path: Path, root: Path) -> Run:
         [json.loads(line) for line in metrics_file.read_text().splitlines() if line] if metrics_file.is_file() else []
     )
     status = summary.get("status", UNFINISHED)
+    items = {f.stem: json.loads(f.read_text()) for f in sorted((path / "scores").glob("*.json"))}
     name = str(path.relative_to(root.parent))  # the sweep's name first: runs of several sweeps stay apart
     return Run(
         source=str(root),
@@ -102,6 +106,7 @@ def load_run_dir(path: Path, root: Path) -> Run:
         choices=dict(hydra.get("runtime", {}).get("choices", {})),
         summary=summary,
         metrics=metrics,
+        items=items,
     )
 
 

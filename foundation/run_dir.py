@@ -40,6 +40,7 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.samples = self.path / "samples"
+        self.scores = self.path / "scores"  # each question's score per evaluation, for analyses over questions
         self.phase = "starting"  # what the job is doing (set by the backend): an interrupted run's summary says it
 
     @property
@@ -90,6 +91,15 @@ class RunDir:
             for record in records:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
+    def write_scores(self, name: str, scores: dict[str, float | None]) -> None:
+        """`scores/<name>.json`: question id -> its score (None: missing) of one evaluation (`test_final`,
+        `val_step40`), every question of it, so that a report can resample questions after the fact."""
+        self.scores.mkdir(parents=True, exist_ok=True)
+        path = self.scores / f"{name}.json"
+        staging = path.with_suffix(".tmp")
+        staging.write_text(json.dumps(scores, sort_keys=True, separators=(",", ":")) + "\n", encoding="utf-8")
+        staging.replace(path)
+
     def check_same_run(self, config: dict[str, Any]) -> None:
         """Before a start in this directory: a directory that holds a run takes only that run again (resumed, requeued,
         extended), never a run of other settings, whose steps would mix with its checkpoints and metrics. Raises
@@ -135,6 +145,7 @@ MAY_CHANGE = (
     "algorithm.epochs",
     "algorithm.time_budget_s",
     "algorithm.flops_budget",
+    "algorithm.gpu_s_budget",
     "algorithm.save_every",
     "algorithm.val_every",
 )
@@ -168,8 +179,9 @@ def last_complete_checkpoint(folder: Path) -> str | None:
 
 
 # What a sweep may vary that is not an ablation factor (tracking tags, report tables): seeds are replicates, an
-# experiment is a bundle of values (its keys are compared instead), the rest does not change what is trained.
-NOT_FACTORS = {"seed", "experiment", "logger", "hydra", "paths"}
+# experiment is a bundle of values (its keys are compared instead), analysis says how runs are judged, the rest does
+# not change what is trained.
+NOT_FACTORS = {"seed", "experiment", "logger", "hydra", "paths", "analysis"}
 
 
 def is_factor(key: str) -> bool:

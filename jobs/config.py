@@ -3,8 +3,8 @@
 Each group's `_target_` is a dataclass, whose fields are the group's schema; a `job`'s `_target_` is a function, and
 its option names its schema in `_schema_`. Unknown keys and wrong types are rejected by OmegaConf, ranges and choices
 declared on the fields (`foundation.schema`) by `check_values`, what spans fields by the dataclass's `__post_init__`,
-and what spans groups here. The top-level keys (`seed`, `resources`) are `RunSettings`'s, checked by `check_run`; the
-job's by `check_job`.
+and what spans groups here. The top-level keys (`seed`, `resources`, `analysis`) are `RunSettings`'s, checked by
+`check_run`; the job's by `check_job`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from backends.algorithm import SFTControl
 from foundation.errors import ConfigError
 from foundation.schema import check_values, number
+from foundation.study import Declared, Study
 
 COMPONENT_GROUPS = ("model", "finetune", "algorithm", "agent", "reward", "data", "backend", "warmstart", "endpoint")
 
@@ -44,6 +45,7 @@ class RunSettings:
 
     seed: int = number(0, ge=0)  # every random generator of the run starts from it
     resources: Resources = field(default_factory=Resources)
+    analysis: Study = field(default_factory=Study)  # what the study's verdicts are judged on (foundation/study.py)
 
 
 def check_schema(group: str, node: DictConfig) -> None:
@@ -105,11 +107,24 @@ def check_job(cfg: DictConfig) -> None:
 
 
 def check_run(cfg: DictConfig) -> None:
-    """The run's top-level settings (`seed`, `resources.nodes`, `resources.gpus_per_node`): type and range."""
-    node = OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RunSettings) if f.name in cfg])
-    check_fields("", RunSettings, node, "the run's settings")
+    """The run's top-level settings (`seed`, `resources`, `analysis`): keys, types, ranges and what spans fields."""
     if "resources" in cfg:
         check_fields("resources", Resources, cfg.resources, "resources")
+    if "analysis" in cfg:  # first: its comparisons' bad keys named in full
+        check_study(cfg.analysis)
+    node = OmegaConf.masked_copy(cfg, [f.name for f in dataclasses.fields(RunSettings) if f.name in cfg])
+    check_fields("", RunSettings, node, "the run's settings")
+
+
+def check_study(node: DictConfig) -> Study:
+    """The study's declaration (`analysis`): each comparison's keys, types and role, then what spans them."""
+    for i, comparison in enumerate(node.get("comparisons") or []):
+        check_fields(f"analysis.comparisons[{i}]", Declared, comparison, "a declared comparison")
+    check_fields("analysis", Study, node, "analysis")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Study), node))  # type: ignore[return-value]
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def build_group(cfg: DictConfig, group: str) -> Any:

@@ -1,7 +1,8 @@
 """job=eval: the agent over the validation or the test split (`job.split`) against any OpenAI-compatible endpoint.
 
 Writes `eval/summary.json` (accuracy, n, errors, mean_turns, wall_s; and the same per subset of the split where its
-tasks have one, `data.val_subset_field`) and `eval/records.jsonl` (one line per task).
+tasks have one, `data.val_subset_field`), `eval/records.jsonl` (one line per task) and `scores/<split>_eval.json`
+(each question's score).
 A rollout that fails is recorded with its error and reward 0; the others go on.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from agent.rollout import EvalSummary, evaluate
+from agent.rollout import EvalSummary, evaluate, item_scores
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import one_of
@@ -49,4 +50,5 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     with (out / "records.jsonl").open("w", encoding="utf-8") as f:
         for rollout in rollouts:
             f.write(json.dumps(rollout.record(), ensure_ascii=False) + "\n")
+    run_dir.write_scores(f"{cfg.job.split}_eval", item_scores(rollouts))
     return {"eval": scores, "split": cfg.job.split, "endpoint": {"base_url": endpoint.base_url, "model": model}}

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 import shutil
-import statistics
 import subprocess
 from typing import Any
 
@@ -13,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from backends.setup import TrainSetup
 from foundation.ranks import started_by_launcher
 from foundation.run_dir import RunDir
+from foundation.stats import BEYOND_NOISE, Estimate, proportion_difference, welch, wilson
 from jobs.config import build_components
 from jobs.ranks import launch_ranks, processes
 
@@ -89,7 +88,6 @@ def summarize(results: dict[str, Any], run_dir: RunDir) -> dict[str, Any]:
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
-Z95 = 1.96  # the normal quantile of a two-sided 95 % interval
 
 
 def sparkline(values: list[float | None], width: int = 60) -> str:
@@ -104,13 +102,6 @@ def sparkline(values: list[float | None], width: int = 60) -> str:
     low, high = min(known), max(known)
     span = (high - low) or 1.0
     return "".join(" " if v is None else SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in values)
-
-
-def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The 95 % Wilson interval of an accuracy p measured on n questions."""
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _with_interval(p: float, n: int) -> str:
@@ -132,12 +123,11 @@ def describe(summary: dict[str, Any]) -> str:
             low, high = wilson(val["accuracy"], val["n"])
             lines.append(f"  val accuracy {label:<15} {val['accuracy']:.2f}  [{low:.2f}, {high:.2f}]  (n={val['n']})")
     if before and after:
-        diff = after["accuracy"] - before["accuracy"]
-        se = math.sqrt(sum(v["accuracy"] * (1 - v["accuracy"]) / v["n"] for v in (before, after)))
-        low, high = diff - Z95 * se, diff + Z95 * se
+        change = proportion_difference(before["accuracy"], before["n"], after["accuracy"], after["n"])
+        diff, low, high = change.diff, change.low, change.high
         trained = "the control's SFT" if control else "GRPO"
         verdict = f"inside noise: this run alone shows no effect of {trained}"
-        verdict = "beyond noise" if low > 0 or high < 0 else verdict
+        verdict = "beyond noise" if change.flag == BEYOND_NOISE else verdict
 
         lines.append(f"  difference                   {diff:+.2f}  [{low:+.2f}, {high:+.2f}]  {verdict}")
     shown = [val for _, val in rows if val]
@@ -165,11 +155,14 @@ def describe(summary: dict[str, Any]) -> str:
             f"  {sparkline(rewards)}",
         ]
         lines += reward_trend(rewards)
-    compute = (summary.get("grpo") or summary.get("sft_control") or {}).get("compute")
-    if compute:
+    c = (summary.get("grpo") or summary.get("sft_control") or {}).get("compute")
+    if c:
+        pool = f", {c['compute/pool_flops']:.2e} of them the pool's sampling" if c.get("compute/pool_flops") else ""
         lines.append(
-            f"  compute: {compute['compute/flops']:.2e} training FLOPs ({compute['compute/trained_tokens']:,.0f} "
-            f"tokens trained, {compute['compute/generated_tokens']:,.0f} generated; backends/compute.py)"
+            f"  compute: {c['compute/flops']:.2e} FLOPs ({c['compute/trained_tokens']:,.0f} tokens trained, "
+            f"{c.get('compute/prefill_tokens', 0):,.0f} prefilled, {c['compute/generated_tokens']:,.0f} "
+            f"generated{pool}), {c.get('compute/gpu_s', 0):,.0f} GPU-seconds, {c.get('wall_s', 0):,.0f} s wall "
+            "(backends/compute.py)"
         )
     sft, grpo, more = (summary.get(k, {}) for k in ("sft", "grpo", "sft_control"))
     phases = [
@@ -205,25 +198,15 @@ def reward_trend(rewards: list[float | None]) -> list[str]:
     if len(known) < 2 * size:
         return []
     first, last = known[:size], known[-size:]
-    a, b = _mean_interval(first), _mean_interval(last)
-    diff = statistics.mean(last) - statistics.mean(first)
-    se = math.sqrt(statistics.variance(first) / size + statistics.variance(last) / size)
-    verdict = "beyond noise" if abs(diff) > Z95 * se and se > 0 else "inside noise"
+    change = welch(first, last)
+    verdict = "beyond noise" if change.flag == BEYOND_NOISE else "inside noise"
     return [
-        f"  training reward, first {size} steps {a} -> last {size} steps {b}: {diff:+.2f}, {verdict}",
+        f"  training reward, first {size} steps {_mean_interval(first)} -> last {size} steps "
+        f"{_mean_interval(last)}: {change.diff:+.2f}, {verdict}",
     ]
 
 
-# Student's t, two-sided 95 %, by degrees of freedom (job=train needs no scipy; beyond 30: the normal's 1.96)
-_T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13, 2.12, 2.11, 2.10)
-_T975 += (2.09, 2.09, 2.08, 2.07, 2.07, 2.06, 2.06, 2.06, 2.05, 2.05, 2.05, 2.04)
-
-
-def _t975(df: int) -> float:
-    return _T975[df - 1] if df <= len(_T975) else Z95
-
-
 def _mean_interval(values: list[float]) -> str:
-    mean = statistics.mean(values)
-    half = _t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return f"{mean:.2f} [{mean - half:.2f}, {mean + half:.2f}]"
+    estimate = Estimate.of(values)
+    half = estimate.half or 0.0
+    return f"{estimate.mean:.2f} [{estimate.mean - half:.2f}, {estimate.mean + half:.2f}]"

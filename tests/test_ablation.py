@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from scipy import stats
 
-from jobs.config import build_components
+from jobs.config import build_components, check_study
 from tests.conftest import ROOT, launch
 from tests.test_config import CONF, options
 from tests.test_report import out_tables, table_rows
@@ -46,6 +46,21 @@ def test_every_grid_has_a_cpu_twin_and_sweeps_what_it_says() -> None:
         assert grid_cells(preset) == [[f"{key}={v}"] for v in values]
         tiny_key = "model.hidden_size" if key == "model" else key  # two sizes of the tiny model
         assert [c[0].split("=")[0] for c in grid_cells(f"{preset}-tiny")] == [tiny_key, tiny_key]
+
+
+@pytest.mark.parametrize("preset", GRIDS)
+def test_every_grid_declares_its_comparison_between_the_values_it_sweeps(preset: str) -> None:
+    """One primary comparison, judged on the test split: the grid's other value against its baseline, each side one
+    of the cells the grid runs (so the report finds both), valid as a study's declaration."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={preset}"])
+    study = check_study(cfg.analysis)
+    (declared,) = study.comparisons
+    assert (study.metric, study.cluster, declared.role) == ("test_final", "warm_start", "primary")
+    cells = [cell[0] for cell in grid_cells(preset)]
+    parse = OverridesParser.create().parse_override
+    sides = [(parse(o).key_or_group, str(parse(o).value())) for o in (*declared.treatment, *declared.baseline)]
+    assert sorted(sides) == sorted((parse(c).key_or_group, str(parse(c).value())) for c in cells)
 
 
 @pytest.mark.parametrize("preset", GRIDS)

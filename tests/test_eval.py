@@ -72,6 +72,8 @@ def test_eval_scores_every_task_and_keeps_going_past_a_failure(
     ]
     failed = records[FAILING_QUESTION_INDEX]
     assert failed["reward"] == 0.0 and "500" in failed["error"]
+    scores = json.loads((run_dir / "scores" / "val_eval.json").read_text())  # each question's score, by its id
+    assert scores == {r["id"]: r["reward"] for r in records}
     assert all(r["reward"] == 1.0 for i, r in enumerate(records) if i != FAILING_QUESTION_INDEX)
 
 

@@ -226,16 +226,23 @@ def write_arm(
     val_final: float,
     subsets: dict[str, float] | None = None,
     warm_seed: int | None = None,
+    analysis: dict[str, Any] | None = None,
+    test_final: float | None = None,
+    items: dict[str, float] | None = None,
+    extra: list[str] | None = None,
 ) -> None:
     """A run of experiment=learn-gpu as the TRL backend writes it: validation after the warm start (step 0, no
     training seconds), then steps with `train/elapsed_s`; the control logs no reward. `subsets`: the last
     validation's accuracy per subset of the validation split. `warm_seed`: the run's `warmstart.seed` override, and a
-    warm-start digest of its own."""
+    warm-start digest of its own. `analysis`: the study's declaration in its config; `test_final`: the final model's
+    test accuracy; `items`: each test question's score (`scores/test_final.json`); `extra`: more overrides."""
     overrides = [f"algorithm={arm}", f"seed={seed}"] + ([] if warm_seed is None else [f"warmstart.seed={warm_seed}"])
+    overrides += extra or []
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     config: dict[str, Any] = {"seed": seed, "algorithm": {"name": arm, "time_budget_s": 180.0}}
     config |= {} if warm_seed is None else {"warmstart": {"seed": warm_seed}}
+    config |= {} if analysis is None else {"analysis": analysis}
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     choices = {"algorithm": arm, "experiment": "learn-gpu"}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
@@ -246,7 +253,11 @@ def write_arm(
         line |= {f"val/{k}/accuracy": v for k, v in (subsets or {}).items() if step == 20}
         line |= {f"val/{k}/n": 100 for k in (subsets or {}) if step == 20}
         line |= {"train/reward_mean": 0.4} if arm == "grpo" else {"sft/loss": 0.1}
+        line |= {"test/accuracy": test_final} if test_final is not None and step == 20 else {}
         lines.append(line)
+    if items is not None:
+        (path / "scores").mkdir()
+        (path / "scores" / "test_final.json").write_text(json.dumps(items))
     (path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     summary = {"status": "completed", "wall_s": 300.0, "device": "cuda", "overrides": overrides, "arm": arm}
     if warm_seed is not None:
@@ -279,7 +290,8 @@ def test_a_treatment_is_judged_against_its_control(
     mean = sum(grpo) / 3 * 100
     expected = f"{mean:.1f} ± " if len(set(grpo)) > 1 else f"{mean:.1f}"
     assert len(lines) == 1 and lines[0].startswith(f"- algorithm=grpo against the control: {expected}")
-    assert f"{verdict}; paired (3 pairs), it could detect |Δ| ≥ " in lines[0]  # seeds 0-2 in both arms, one start
+    # seeds 0-2 in both arms, no warm start: each pair is its own unit
+    assert f"{verdict} (exploratory, uncorrected); paired (3 pairs), it could detect |Δ| ≥ " in lines[0]
     assert lines[0].endswith(" with 80% power. " + COST)
     diff = (sum(grpo) - sum(control)) / 3 * 100
     assert f"Δ {diff:+.1f} [" in lines[0]
@@ -311,11 +323,12 @@ def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> 
     assert "(n=4) vs 55.0 ± " in lines[0] and "inside noise" in lines[0]
     assert all(line.count("(n=3)") == 2 for line in lines[1:])
     assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
-    assert lines[1].endswith(": **inside noise**. " + COST)  # no spread: no power
+    assert lines[1].endswith(": **inside noise** (exploratory, uncorrected); Welch. " + COST)  # no spread: no power
     assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
     assert "Δ +20.0 [" in lines[2] and "**better than the control, beyond noise**" in lines[2]
     # +10 points at a spread of 4: beyond noise at 95% (Welch: [+0.9, +19.1]), not at 98.3%
-    assert lines[3].startswith("- `value` questions:") and "Δ +10.0 [-2.9, +22.9]: **inside noise**; Welch" in lines[3]
+    assert lines[3].startswith("- `value` questions:") and "Δ +10.0 [-2.9, +22.9], p = " in lines[3]
+    assert "**inside noise** (exploratory, uncorrected); Welch" in lines[3]
     cells = table_rows(out_tables(md)["All cells"])
     assert [r["val_final:entity"] for r in cells] == ["11.0 ± 2.5 (n=3)", "31.0 ± 2.5 (n=3)"]
 
@@ -346,8 +359,10 @@ def test_paired_runs_are_compared_pair_by_pair_and_the_detectable_effect_is_stat
     d = [g - c for g, c in zip(grpo, control, strict=True)]
     sd = pd.Series(d).std()
     detectable = (stats.t.ppf(0.975, 3) + stats.t.ppf(0.8, 3)) * sd / 2
-    ci = stats.ttest_1samp(d, 0.0).confidence_interval(0.95)
-    assert f"Δ +1.0 [{ci.low * 100:+.1f}, {ci.high * 100:+.1f}]: **inside noise**; paired (4 pairs)" in line
+    test = stats.ttest_1samp(d, 0.0)
+    ci = test.confidence_interval(0.95)
+    assert f"Δ +1.0 [{ci.low * 100:+.1f}, {ci.high * 100:+.1f}], p = {test.pvalue:.3f}: **inside noise**" in line
+    assert "**inside noise** (exploratory, uncorrected); paired (4 pairs)" in line
     assert f"it could detect |Δ| ≥ {detectable * 100:.1f} with 80% power" in line
 
 
@@ -365,11 +380,14 @@ def test_a_folder_of_sweeps_is_read_whole(tmp_path: Path) -> None:
 
 
 def test_the_verdict_names_the_budget_both_arms_shared() -> None:
-    def arm(budget_flops: float | None, budget_s: float | None) -> pd.DataFrame:
-        row = {"train_gpu_s": 150.0, "flops": 2e15, "budget_flops": budget_flops, "budget_s": budget_s}
-        return pd.DataFrame([row, row], dtype=float)
+    def arm(budget_flops: float | None, budget_s: float | None, budget_gpu_s: float | None = None) -> pd.DataFrame:
+        row = {"train_gpu_s": 150.0, "gpu_s": 180.0, "flops": 2e15, "budget_flops": budget_flops, "budget_s": budget_s}
+        return pd.DataFrame([row | {"budget_gpu_s": budget_gpu_s}] * 2, dtype=float)
 
-    assert report._compute_line(arm(2e15, None), arm(2e15, 150)).endswith("; equal budget: FLOPs (2.00e+15).")
+    line = report._compute_line(arm(2e15, None), arm(2e15, 150))
+    assert line.startswith("Training GPU-seconds per run: 150 vs 150; GPU-seconds with the pool's sampling: 180 vs 180")
+    assert line.endswith("; equal budget: FLOPs (2.00e+15).")
+    assert report._compute_line(arm(None, None, 300), arm(None, 150, 300)).endswith("equal budget: GPU-seconds (300).")
     assert report._compute_line(arm(None, 150), arm(None, 150)).endswith("; equal budget: training seconds (150 s).")
     assert report._compute_line(arm(2e15, None), arm(None, 150)).endswith(
         "; no budget shared by every run of both arms."
@@ -390,9 +408,10 @@ def test_treatments_are_also_judged_against_each_other(tmp_path: Path) -> None:
     assert "Δ -1.3 [" in lines[0] and "; paired (3 pairs), it could detect" in lines[0]
 
 
-def test_runs_from_several_warm_starts_are_pooled_and_paired_within_each(tmp_path: Path) -> None:
+def test_runs_from_several_warm_starts_are_paired_within_each_and_judged_per_warm_start(tmp_path: Path) -> None:
     """Seeds 0-1 from one warm start, 2-3 from another (`warmstart.seed`): a seed is a replicate, not a factor, so
-    one verdict over the four pairs, each treatment run against the control with its seed and warm start."""
+    one verdict over the four pairs, each treatment run against the control with its seed and warm start; the warm
+    start is the independent unit (2 of them: no claim beyond them)."""
     num = 0
     for arm, by_seed in (("grpo", (0.55, 0.58, 0.54, 0.60)), ("sft_control", (0.50, 0.51, 0.52, 0.53))):
         for seed, value in enumerate(by_seed):
@@ -401,5 +420,131 @@ def test_runs_from_several_warm_starts_are_pooled_and_paired_within_each(tmp_pat
     md = (report.main([str(tmp_path / "warm")]) / "report.md").read_text()
     lines = [x for x in out_tables(md)["Treatment against control"].splitlines() if x.startswith("- ")]
     assert len(lines) == 1 and lines[0].startswith("- algorithm=grpo against the control: ")
-    assert "paired (4 pairs)" in lines[0]
+    assert "paired at the warm start level (2 warm starts, 4 pairs)" in lines[0]
+    assert "2 warm starts: cannot speak beyond its warm starts" in lines[0]
     assert "Factor `warmstart.seed`" not in md
+
+
+# Three warm starts x three seeds whose gain differs by warm start (+1, +9, +17 points, seeds within 1 point):
+# pooled over the nine pairs the interval is narrow; at the warm-start level (2 degrees of freedom) it holds 0.
+HETEROGENEOUS = {0: (0.010, 0.015, 0.005), 1: (0.090, 0.095, 0.085), 2: (0.170, 0.175, 0.165)}
+
+
+def write_study(root: Path, analysis: dict[str, Any] | None, gains: dict[int, tuple[float, ...]]) -> None:
+    """GRPO, RFT and the control from warm starts 0-2 with three seeds each; GRPO = control + the warm start's gain,
+    RFT = control + half of it; test accuracy as the metric, each run's 10 test questions' scores kept."""
+    num = 0
+    for warm, by_seed in gains.items():
+        for i, gain in enumerate(by_seed):
+            seed = 3 * warm + i
+            control = 0.30 + 0.01 * i
+            for arm, value in (("sft_control", control), ("grpo", control + gain), ("rft", control + gain / 2)):
+                items = {f"q{q}": float(q < round(value * 10)) for q in range(10)}
+                write_arm(
+                    root / str(num), arm, seed, 0.5, warm_seed=warm, analysis=analysis, test_final=value, items=items
+                )
+                num += 1
+
+
+def test_heterogeneous_warm_starts_widen_the_interval_beyond_the_pooled_one(tmp_path: Path) -> None:
+    write_study(tmp_path / "study", None, HETEROGENEOUS)
+    built, _ = report.build(report.load([str(tmp_path / "study")]), "test_final")
+    line = next(line for line in built.verdicts if line.verdict and line.verdict.name.startswith("algorithm=grpo"))
+    clustered = line.verdict.comparison
+    pooled = stats.ttest_1samp([g for gains in HETEROGENEOUS.values() for g in gains], 0.0).confidence_interval()
+    assert clustered.test == "paired at the warm start level (3 warm starts, 9 pairs)"
+    assert clustered.high - clustered.low > 3 * (pooled.high - pooled.low)
+    assert pooled.low > 0 and clustered.low < 0 < clustered.high  # beyond noise pooled, not per warm start
+    assert clustered.heterogeneity is not None and clustered.heterogeneity.p < 0.001
+    assert "heterogeneity across warm starts F = " in line.text and "**inside noise**" in line.text
+
+
+def test_an_undeclared_comparison_is_labelled_exploratory(tmp_path: Path) -> None:
+    """No declaration: every verdict line is exploratory and uncorrected, and the report says none was declared."""
+    write_study(tmp_path / "study", None, HETEROGENEOUS)
+    md = (report.main([str(tmp_path / "study"), "--metric", "test_final"]) / "report.md").read_text()
+    tables = out_tables(md)
+    assert tables["Declared comparisons"].strip().startswith("None: the runs declare no comparison")
+    verdicts = [
+        x
+        for name in ("Treatment against control", "Treatments against each other")
+        for x in tables[name].splitlines()
+        if x.startswith("- ")
+    ]
+    assert len(verdicts) == 3  # GRPO and RFT against the control, RFT against GRPO
+    assert all("(exploratory, uncorrected)" in x for x in verdicts)
+
+
+DECLARED = {
+    "metric": "test_final",
+    "cluster": "warm_start",
+    "alpha": 0.05,
+    "comparisons": [
+        {"name": "grpo_vs_control", "treatment": ["algorithm=grpo"], "baseline": ["algorithm=sft_control"]},
+        {
+            "name": "rft_vs_control",
+            "treatment": ["algorithm=rft"],
+            "baseline": ["algorithm=sft_control"],
+            "role": "secondary",
+        },
+    ],
+}
+# Gains that hold in every warm start: GRPO +3 to +4 points (seeds vary by a point), RFT half of it.
+STEADY = {0: (0.02, 0.03, 0.04), 1: (0.04, 0.05, 0.03), 2: (0.04, 0.02, 0.03)}
+
+
+def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: Path) -> None:
+    write_study(tmp_path / "study", DECLARED | {"comparisons": DECLARED["comparisons"]}, STEADY)
+    built, _ = report.build(report.load([str(tmp_path / "study")]))
+    grpo, rft = built.declared
+    assert (grpo.name, grpo.role, rft.role) == ("grpo_vs_control", "primary", "secondary")
+    p = sorted([grpo.comparison.p, rft.comparison.p])
+    holm = [min(1.0, 2 * p[0]), min(1.0, max(2 * p[0], p[1]))]  # Holm over two: 2 x the smaller, then the larger
+    assert sorted([grpo.p_holm, rft.p_holm]) == pytest.approx(holm)
+    assert grpo.comparison.test == "paired at the warm start level (3 warm starts, 9 pairs)"
+    md = (report.main([str(tmp_path / "study")]) / "report.md").read_text()
+    section = out_tables(md)["Declared comparisons"]
+    line = next(x for x in section.splitlines() if x.startswith("- **grpo_vs_control** (primary)"))
+    assert f"Holm-adjusted p = {grpo.p_holm:.3f} (family of 2, alpha 0.05)" in line
+    assert "resampling clusters and questions: Δ " in line
+    assert "(exploratory" not in section
+
+
+def test_a_comparison_beyond_noise_alone_is_inside_noise_after_holm(tmp_path: Path) -> None:
+    """Five declared comparisons of the same two arms: one p under 0.05 alone is over it x 5."""
+    comparisons = [
+        {"name": f"c{i}", "treatment": ["algorithm=grpo"], "baseline": ["algorithm=sft_control"]} for i in range(5)
+    ]
+    gains = {0: (0.01, 0.02, 0.03), 1: (0.03, 0.04, 0.05), 2: (0.02, 0.03, 0.04)}  # t = 5.2 on 2 df
+    write_study(tmp_path / "study", DECLARED | {"comparisons": comparisons}, gains)
+    built, _ = report.build(report.load([str(tmp_path / "study")]))
+    first = built.declared[0]
+    assert first.comparison.p < 0.05 < first.p_holm == pytest.approx(min(1.0, 5 * first.comparison.p))
+    assert first.comparison.flag == "beyond noise" and first.outcome == "inside noise"
+
+
+def test_runs_that_declare_different_analyses_are_refused(tmp_path: Path) -> None:
+    write_study(tmp_path / "a", DECLARED, STEADY)
+    write_study(tmp_path / "b", DECLARED | {"alpha": 0.01}, STEADY)
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "a"), str(tmp_path / "b")])
+
+
+def test_every_look_at_the_test_split_is_recorded_and_a_changed_verdict_says_so(tmp_path: Path) -> None:
+    """A pilot's look (one warm start: no verdict), a re-render (not a new look), then more warm starts: the second
+    look is in the ledger, and the verdict says it changed since the first."""
+    study, out = tmp_path / "study", tmp_path / "report"
+    write_study(study / "ws0", DECLARED, {0: STEADY[0]})
+    report.main([str(study), "--out", str(out)])
+    report.main([str(study), "--out", str(out)])  # the same runs and scores: the same look
+    ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [look["look"] for look in ledger] == [1]
+    assert ledger[0]["runs"] == 9 and ledger[0]["verdicts"]["grpo_vs_control"]["outcome"].startswith("no verdict")
+    write_study(study / "ws12", DECLARED, {1: STEADY[1], 2: STEADY[2]})
+    md = (report.main([str(study), "--out", str(out)]) / "report.md").read_text()
+    ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    assert [(look["look"], look["runs"]) for look in ledger] == [(1, 9), (2, 27)]
+    line = next(x for x in out_tables(md)["Declared comparisons"].splitlines() if "grpo_vs_control" in x)
+    assert "test look 2 (" in line and "after 1 earlier look" in line
+    assert "CHANGED since: no verdict" in line and "at look 1 (9 runs)" in line
+    assert "look 2 at it (ledger.jsonl in the report's folder: 1 look before this one" in md

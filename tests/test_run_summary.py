@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.train import describe, sparkline, wilson
+from foundation.stats import wilson
+from jobs.train import describe, sparkline
 
 
 def summary(before: float, after: float, rewards: list[float | None]) -> dict:
@@ -67,7 +68,15 @@ def test_the_training_reward_trend_and_the_test_split_are_shown_with_intervals()
         "test_final": {"accuracy": 0.40, "n": 100, "subsets": {"entity": {"accuracy": 0.5, "n": 20}}},
         "grpo": {
             "wall_s": 10.0,
-            "compute": {"compute/flops": 3.2e12, "compute/trained_tokens": 1e5, "compute/generated_tokens": 2e4},
+            "compute": {
+                "compute/flops": 3.2e12,
+                "compute/trained_tokens": 1e5,
+                "compute/prefill_tokens": 5e4,
+                "compute/generated_tokens": 2e4,
+                "compute/pool_flops": 1e12,
+                "compute/gpu_s": 120.0,
+                "wall_s": 150.0,
+            },
         },
     }
     lines = describe(runs).splitlines()
@@ -75,7 +84,8 @@ def test_the_training_reward_trend_and_the_test_split_are_shown_with_intervals()
     assert "0.11 [" in trend and "-> last 2 steps 0.32 [" in trend and "+0.21, beyond noise" in trend
     assert any(line.startswith("  test accuracy, final model   0.40  [0.31, 0.50]  (n=100)") for line in lines)
     assert any(line.strip().startswith("entity") and "(n=20)" in line for line in lines)
-    assert any("3.20e+12 training FLOPs (100,000 tokens trained, 20,000 generated" in line for line in lines)
+    compute = "3.20e+12 FLOPs (100,000 tokens trained, 50,000 prefilled, 20,000 generated, 1.00e+12 of them the pool's"
+    assert any(compute in line and "), 120 GPU-seconds, 150 s wall" in line for line in lines)
     assert lines[-1].startswith("no control arm — no claim about GRPO vs SFT")
     flat = describe(summary(0.41, 0.45, [0.2, 0.3, 0.2, 0.3, 0.25, 0.2, 0.3, 0.2, 0.3, 0.25]))
     assert "inside noise" in next(line for line in flat.splitlines() if "training reward, first" in line)

@@ -180,6 +180,12 @@ def test_a_run_records_its_phases_task_ids_and_scores_the_test_split_at_the_end(
     assert last["test/n"] == 8 and "test/accuracy" in last  # the final model only
     earlier = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][:-1]
     assert not any(k.startswith("test/") for m in earlier for k in m)
+    # every evaluation keeps each question's score: the final model's test and validation, the first validation
+    for name, split in (("test_final", "test"), ("val_final", "val"), ("val_after_sft", "val")):
+        scores = json.loads((run_dir / "scores" / f"{name}.json").read_text())
+        assert sorted(scores) == sorted(phases[split]) and all(v in (0.0, 1.0) for v in scores.values())
+    test_scores = json.loads((run_dir / "scores" / "test_final.json").read_text()).values()
+    assert sum(test_scores) / len(test_scores) == pytest.approx(last["test/accuracy"])
 
     # the control continues on the warm start's own demonstrations (sft_demos=warmstart), not on the RL tasks' gold
     control_dir = tmp_path / "control"

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from agent.rollout import EvalSummary
+from agent.rollout import EvalSummary, item_scores
 from backends.setup import TrainSetup
 from backends.trl.fsdp import OptimizerOffload
 from backends.trl.rollouts import validate_policy
@@ -22,7 +22,8 @@ from inference.policy_server import PolicyServer
 @dataclass
 class Validation:
     """Validates a model: `validation(model, name)` returns `val/*` (and at "final" `test/*`) metrics, and keeps each
-    split's summary in `results[f"{split}_{name}"]` and a few trajectories in the run's samples/.
+    split's summary in `results[f"{split}_{name}"]`, every question's score in the run's scores/ and a few
+    trajectories in its samples/.
 
     generation_copy: the model's weights as the engine generates from them (a sharded model's gathered copy);
     server: a policy server for those weights; offload: `backend.offload=optimizer`'s (the optimizer's state leaves
@@ -69,6 +70,7 @@ class Validation:
         for split, split_tasks in splits.items():
             mine, done = rollouts[done : done + len(split_tasks)], done + len(split_tasks)
             run.write_samples(f"{split}_{name}", [r.record() for r in mine[: self.samples_kept]])
+            run.write_scores(f"{split}_{name}", item_scores(mine))
             summary, subsets = EvalSummary.of(mine, wall_s), EvalSummary.per_subset(mine)
             self.results[f"{split}_{name}"] = vars(summary) | ({"subsets": subsets} if subsets else {})
             metrics |= {f"{split}/{k}": v for k, v in vars(summary).items()}

@@ -1,0 +1,249 @@
+"""The verdicts a report gives: two groups of runs compared at the level of their independent unit, the study's
+declared comparisons adjusted together by Holm, and the ledger of looks at the test split.
+
+- `compare`: paired by seed and warm start where the runs pair, then taken per cluster (foundation.stats.clustered);
+  Welch's t where they do not pair.
+- `declared`: the comparisons the runs' `analysis` block declared (foundation/study.py), each matched to its runs,
+  tested, and adjusted by Holm over the declared family. Everything else a report prints is exploratory.
+- `Ledger`: every report that judges on the test split appends a look (date, runs, each comparison's verdict) to
+  `ledger.jsonl` in the report's folder, unless the same runs with the same scores were looked at before (a re-render
+  looks at nothing new). A verdict says which look it is and whether it changed since an earlier look.
+- `item_differences`: per-question score differences of paired runs (their `scores/<metric>.json`), for the
+  bootstrap over clusters and questions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from foundation.stats import LEVEL, Comparison, Estimate, bootstrap_clusters_items, clustered, holm, welch
+from foundation.study import Declared, Study
+
+EXPLORATORY = "exploratory, uncorrected"
+LEDGER = "ledger.jsonl"
+
+
+def compare(
+    base: pd.DataFrame, other: pd.DataFrame, metric: str, level: float = LEVEL, unit: str = "warm start"
+) -> Comparison:
+    """`other` against `base` on `metric`: paired where every run of each side that has the metric has exactly one
+    partner on the other side with the same seed and warm start (`pair`), and then taken at the level of the
+    independent unit where pairs share a cluster (`cluster`: a warm start); else Welch's t."""
+    a, b = base[base[metric].notna()], other[other[metric].notna()]
+    if len(a) >= 2 and a.pair.is_unique and b.pair.is_unique and set(a.pair) == set(b.pair):
+        a, b = a.set_index("pair"), b.set_index("pair").loc[a.pair]
+        d = b[metric].to_numpy(dtype=float) - a[metric].to_numpy(dtype=float)
+        clusters = [c if isinstance(c, str) and c else pair for c, pair in zip(a.cluster, a.index, strict=True)]
+        return clustered(d, clusters, level, unit)
+    return welch(a[metric], b[metric], level)
+
+
+def value_column(key: str) -> str:
+    """The run table's column holding `key`'s value for matching declarations (factors have their own)."""
+    return f"value:{key}"
+
+
+def declared_keys(study: Study) -> list[str]:
+    return list(dict.fromkeys(_parse(o)[0] for c in study.comparisons for o in (*c.treatment, *c.baseline)))
+
+
+def _parse(override: str) -> tuple[str, Any]:
+    parsed = OverridesParser.create().parse_override(override)
+    return parsed.key_or_group, parsed.value()
+
+
+def matching(table: pd.DataFrame, overrides: list[str]) -> pd.DataFrame:
+    """The rows whose values equal every override's (`algorithm=grpo`, `agent.check_step=false`)."""
+    mask = pd.Series(True, index=table.index)
+    for override in overrides:
+        key, value = _parse(override)
+        column = table[value_column(key)]
+        mask &= column.map(lambda v, want=value: v == want or str(v) == str(want))
+    return table[mask]
+
+
+@dataclass
+class Verdict:
+    """One comparison's result: declared (with its Holm-adjusted p) or exploratory."""
+
+    name: str
+    role: str  # primary, secondary, or exploratory
+    comparison: Comparison
+    treated: Estimate
+    base: Estimate
+    p_holm: float | None = None
+    alpha: float = 0.05
+    bootstrap: tuple[float, float, float] | None = None  # mean, low, high over clusters x questions
+    looks: str = ""  # where this verdict stands among the looks at the test split
+
+    @property
+    def declared(self) -> bool:
+        return self.role != "exploratory"
+
+    @property
+    def outcome(self) -> str:
+        """beyond noise / inside noise / no verdict: for a declared comparison by its Holm-adjusted p against the
+        family's alpha; for an exploratory one by its unadjusted interval."""
+        c = self.comparison
+        if math.isnan(c.diff):
+            return "no verdict (a side has no runs with the metric)"
+        if c.low is None:
+            return "no verdict (" + (c.caveat or "fewer than 2 runs or pairs") + ")"
+        if self.declared:
+            beyond = self.p_holm is not None and self.p_holm < self.alpha
+            if self.p_holm is None:  # no spread at all: the interval is the difference itself
+                beyond = not c.low <= 0 <= c.high
+        else:
+            beyond = not c.low <= 0 <= c.high
+        return "beyond noise" if beyond else "inside noise"
+
+    def record(self) -> dict[str, Any]:
+        c = self.comparison
+        return {
+            "role": self.role,
+            "diff": c.diff,
+            "low": c.low,
+            "high": c.high,
+            "p": c.p,
+            "p_holm": self.p_holm,
+            "test": c.test,
+            "outcome": self.outcome,
+        }
+
+
+def declared(table: pd.DataFrame, study: Study, metric: str) -> list[Verdict]:
+    """The study's declared comparisons on `metric` (completed runs), Holm-adjusted together: one family."""
+    done = table[table.status == "completed"]
+    unit = "warm start" if study.cluster == "warm_start" else study.cluster
+    verdicts = []
+    for declaration in study.comparisons:
+        treated, base = matching(done, declaration.treatment), matching(done, declaration.baseline)
+        comparison = compare(base, treated, metric, LEVEL, unit)
+        verdicts.append(
+            Verdict(
+                declaration.name,
+                declaration.role,
+                comparison,
+                Estimate.of(treated[metric]),
+                Estimate.of(base[metric]),
+                alpha=study.alpha,
+                bootstrap=_bootstrap(base, treated, metric),
+            )
+        )
+    for verdict, p in zip(verdicts, holm([v.comparison.p for v in verdicts]), strict=True):
+        verdict.p_holm = p
+    return verdicts
+
+
+def label_of(declaration: Declared) -> str:
+    return f"{' '.join(declaration.treatment)} against {' '.join(declaration.baseline)}"
+
+
+def item_differences(base: pd.DataFrame, treated: pd.DataFrame) -> list[np.ndarray] | None:
+    """Per cluster, a (pairs x questions) array of treated - base per-question scores over the questions every run
+    scored (`items`: id -> score); None where the runs do not pair or lack item-level scores."""
+    if base.empty or not base.pair.is_unique or not treated.pair.is_unique or set(base.pair) != set(treated.pair):
+        return None
+    items = list(base["items"]) + list(treated["items"])
+    if any(not isinstance(i, dict) or not i for i in items):
+        return None
+    questions = sorted(set.intersection(*(set(i) for i in items)))
+    if not questions:
+        return None
+    a, b = base.set_index("pair"), treated.set_index("pair")
+    rows: dict[str, list[np.ndarray]] = {}
+    for pair in a.index:
+        cluster = a.at[pair, "cluster"]
+        key = cluster if isinstance(cluster, str) and cluster else pair
+        scores = [np.array([_score(x[q]) for q in questions]) for x in (a.at[pair, "items"], b.at[pair, "items"])]
+        rows.setdefault(key, []).append(scores[1] - scores[0])
+    return [np.stack(r) for r in rows.values()]
+
+
+def _score(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _bootstrap(base: pd.DataFrame, treated: pd.DataFrame, metric: str) -> tuple[float, float, float] | None:
+    base, treated = base[base[metric].notna()], treated[treated[metric].notna()]
+    if "items" not in base:
+        return None
+    differences = item_differences(base, treated)
+    if differences is None or len(differences) < 2:
+        return None
+    return bootstrap_clusters_items(differences)
+
+
+@dataclass
+class Look:
+    """One look at the test split: which, when, on how many runs, and each comparison's verdict then."""
+
+    look: int
+    date: str
+    metric: str
+    runs: int
+    fingerprint: str  # the runs and their scores looked at
+    verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Ledger:
+    """`ledger.jsonl` in a report's folder: every look at the test split, in order."""
+
+    path: Path
+
+    def looks(self) -> list[Look]:
+        if not self.path.is_file():
+            return []
+        return [Look(**json.loads(line)) for line in self.path.read_text(encoding="utf-8").splitlines() if line]
+
+    def record(self, table: pd.DataFrame, metric: str, verdicts: list[Verdict]) -> tuple[Look, list[Look]]:
+        """This look (appended unless the same runs and scores were looked at before) and the looks before it."""
+        done = table[(table.status == "completed") & table[metric].notna()]
+        scores = sorted((str(r), float(v)) for r, v in zip(done.run, done[metric], strict=True))
+        fingerprint = hashlib.sha256(json.dumps([metric, scores]).encode()).hexdigest()[:16]
+        looks = self.looks()
+        for i, look in enumerate(looks):
+            if look.fingerprint == fingerprint:
+                return look, looks[:i]
+        look = Look(
+            look=len(looks) + 1,
+            date=datetime.now(UTC).isoformat(timespec="seconds"),
+            metric=metric,
+            runs=len(done),
+            fingerprint=fingerprint,
+            verdicts={v.name: v.record() for v in verdicts},
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(look)) + "\n")
+        return look, looks
+
+
+def look_note(name: str, outcome: str, look: Look, before: list[Look]) -> str:
+    """Which look at the test split this verdict comes from, and whether it changed since an earlier one."""
+    note = f"test look {look.look} ({look.date[:10]}, {look.runs} runs)"
+    if not before:
+        return note + ", the first"
+    changes = [
+        f"{earlier['outcome']} at look {b.look} ({b.runs} runs)"
+        for b in before
+        if (earlier := b.verdicts.get(name)) is not None and earlier["outcome"] != outcome
+    ]
+    note += f", after {len(before)} earlier look{'s' if len(before) > 1 else ''}"
+    if changes:
+        note += (
+            f"; CHANGED since: {'; '.join(changes)} — runs added after the test was seen: not confirmatory unless "
+            "planned before the first look"
+        )
+    return note

@@ -1,0 +1,102 @@
+"""foundation/stats.py against values computed by hand or by scipy directly: Holm's adjustment, the cluster-level
+test and its heterogeneity, variance components and the plan built on them, the two-level bootstrap; and
+`python -m analysis.plan` on a pilot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from analysis import plan as plan_cli
+from foundation import stats
+from tests.test_report import DECLARED, HETEROGENEOUS, write_study
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order() -> None:
+    # sorted 0.01, 0.02, 0.03, 0.04 -> x4, x3 (max with the previous), x2, x1
+    assert stats.holm([0.04, 0.01, 0.03, 0.02]) == pytest.approx([0.06, 0.04, 0.06, 0.06])
+    assert stats.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1
+
+
+def test_a_declared_comparison_without_a_p_still_counts_in_the_family() -> None:
+    assert stats.holm([0.02, None]) == pytest.approx([0.04, None])
+
+
+def test_pairs_in_one_cluster_each_are_a_plain_paired_test() -> None:
+    d = [0.01, 0.03, 0.02, 0.05]
+    c = stats.clustered(d, ["a", "b", "c", "d"], unit="warm start")
+    direct = scipy_stats.ttest_1samp(d, 0.0)
+    assert c.test == "paired (4 pairs)" and c.p == pytest.approx(direct.pvalue) and c.heterogeneity is None
+
+
+def test_the_cluster_level_test_runs_on_the_cluster_means() -> None:
+    d = [0.01, 0.02, 0.10, 0.11, 0.05, 0.07]
+    clusters = ["w0", "w0", "w1", "w1", "w2", "w2"]
+    c = stats.clustered(d, clusters, unit="warm start")
+    means = [0.015, 0.105, 0.06]
+    direct = scipy_stats.ttest_1samp(means, 0.0)
+    assert c.n == 3 and c.p == pytest.approx(direct.pvalue)
+    assert (c.low, c.high) == pytest.approx(tuple(direct.confidence_interval()))
+    anova = scipy_stats.f_oneway([0.01, 0.02], [0.10, 0.11], [0.05, 0.07])
+    assert c.heterogeneity is not None and c.heterogeneity.f == pytest.approx(anova.statistic)
+    assert c.caveat is None
+
+
+@pytest.mark.parametrize(
+    ("clusters", "caveat", "has_interval"),
+    [
+        (["w0"] * 4, "1 warm start: says nothing beyond it", False),
+        (["w0", "w0", "w1", "w1"], "2 warm starts: cannot speak beyond its warm starts", True),
+    ],
+)
+def test_under_three_clusters_a_study_says_it_cannot_speak_beyond_them(
+    clusters: list[str], caveat: str, has_interval: bool
+) -> None:
+    c = stats.clustered([0.01, 0.03, 0.02, 0.06], clusters, unit="warm start")
+    assert c.caveat is not None and c.caveat.startswith(caveat)
+    assert (c.low is not None) == has_interval
+
+
+def test_variance_components_recover_the_spread_between_and_within_clusters() -> None:
+    rng = np.random.default_rng(0)
+    means = rng.normal(0.0, 0.05, size=400)  # between-cluster sd 0.05
+    d = np.concatenate([m + rng.normal(0.0, 0.02, size=3) for m in means])  # within sd 0.02, 3 seeds each
+    components = stats.variance_components(d, np.repeat(np.arange(400), 3))
+    assert components.between == pytest.approx(0.05**2, rel=0.15)
+    assert components.within == pytest.approx(0.02**2, rel=0.1)
+
+
+def test_the_plan_finds_the_fewest_clusters_that_detect_the_effect() -> None:
+    components = stats.Components(mean=0.04, between=0.002, within=0.0007, clusters=3, pairs=9)
+    needed = stats.plan(components, mde=0.05)
+    for seeds, clusters in needed.items():
+        assert clusters is not None and clusters >= stats.MIN_CLUSTERS
+        assert stats.study_detectable(components, clusters, seeds) <= 0.05
+        if clusters > stats.MIN_CLUSTERS:
+            assert stats.study_detectable(components, clusters - 1, seeds) > 0.05
+    assert needed[4] <= needed[1]  # more seeds never need more warm starts
+    assert stats.plan(components, mde=0.001, max_clusters=10) == {1: None, 2: None, 3: None, 4: None}
+
+
+def test_the_bootstrap_resamples_clusters_and_questions() -> None:
+    rng = np.random.default_rng(1)
+    same = [rng.normal(0.1, 0.3, size=(3, 200)) for _ in range(6)]  # clusters alike: a narrow interval
+    spread = [rng.normal(0.1 + 0.2 * (i - 2.5), 0.3, size=(3, 200)) for i in range(6)]  # clusters differ
+    mean, low, high = stats.bootstrap_clusters_items(same)
+    assert low < mean < high and low > 0
+    _, wide_low, wide_high = stats.bootstrap_clusters_items(spread)
+    assert wide_high - wide_low > 3 * (high - low)
+    with pytest.raises(ValueError, match="same questions"):
+        stats.bootstrap_clusters_items([np.zeros((2, 5)), np.zeros((2, 6))])
+
+
+def test_the_plan_command_reads_a_pilot_and_writes_its_plan(tmp_path: Path) -> None:
+    write_study(tmp_path / "pilot", DECLARED, HETEROGENEOUS)
+    text = plan_cli.main([str(tmp_path / "pilot"), "--mde", "5", "--out", str(tmp_path / "plan")])
+    assert "alpha 0.05 / 2 comparisons = 0.0250" in text
+    assert "## grpo_vs_control" in text and "## rft_vs_control" in text
+    assert "Pilot: 9 pairs in 3 clusters; mean difference +9.00" in text
+    assert (tmp_path / "plan" / "plan.md").read_text().startswith("# Study plan from a pilot")
