@@ -8,7 +8,10 @@ clusters (warm starts: what a new warm start would change) and within them (seed
 then estimates the difference with standard error sqrt((between + within / m) / k) on k - 1 degrees of freedom; the
 plan prints, per m, the fewest clusters (at least 3) whose test detects `--mde` with `--power` at the family's
 alpha divided by its size (Holm's first step, the strictest one). `--mde` is in the report's units: percentage points
-for accuracies. The plan is written beside the pilot's report (`plan.md`) so that it is committed before the study.
+for accuracies. The spread is read from the pilot's validation scores by default (`--metric`), so that planning is no
+look at the test split. The between-cluster variance of a pilot of few clusters is itself uncertain (3 clusters: 2
+degrees of freedom); the plan prints it as an upper bound too (its one-sided 80% bound from the chi-square), and
+the clusters that bound would need. The plan is written beside the pilot (`plan.md`) to be committed before the study.
 """
 
 from __future__ import annotations
@@ -22,42 +25,46 @@ import pandas as pd
 
 from analysis.report import factor_keys, is_accuracy, run_table, study_of
 from analysis.runs import COMPLETED, load
-from analysis.verdicts import matching
+from analysis.verdicts import matching, pairs_of
 from foundation.stats import POWER, Components, plan, study_detectable, variance_components
-from foundation.study import Declared
+from foundation.study import METRICS, Declared
 
 SEEDS = (1, 2, 3, 4)  # seeds per warm start the plan considers
+UPPER = 0.8  # the confidence of the between-cluster variance's upper bound the cautious column plans on
 
 
 def paired_differences(table: pd.DataFrame, declared: Declared, metric: str) -> tuple[list[float], list[str]]:
-    """The pilot's treatment - baseline differences, one per seed and warm start, and each one's cluster."""
-    done = table[(table.status == COMPLETED) & table[metric].notna()]
-    treated = matching(done, declared.treatment).set_index("pair")
-    base = matching(done, declared.baseline).set_index("pair")
-    pairs = [p for p in base.index if p in treated.index]
-    differences = [float(treated.at[p, metric] - base.at[p, metric]) for p in pairs]
-    clusters = [str(base.at[p, "cluster"]) for p in pairs]
-    return differences, clusters
+    """The pilot's treatment - baseline differences, one per seed and warm start (as the report pairs them), and each
+    one's cluster (a pair without one is its own)."""
+    done = table[table.status == COMPLETED]
+    found = pairs_of(matching(done, declared.baseline), matching(done, declared.treatment), metric)
+    if found is None:
+        raise ValueError(f"the pilot's runs of {declared.name} do not pair by seed and warm start")
+    clusters = [c if c is not None else f"pair {i}" for i, c in enumerate(found.clusters)]
+    return list(found.differences), clusters
 
 
 def plan_lines(name: str, components: Components, mde: float, alpha: float, power: float, scale: float) -> list[str]:
-    needed = plan(components, mde, alpha, power, SEEDS)
+    upper = components.upper(UPPER)
+    needed, cautious = plan(components, mde, alpha, power, SEEDS), plan(upper, mde, alpha, power, SEEDS)
     lines = [
         f"## {name}",
         "",
         f"Pilot: {components.pairs} pairs in {components.clusters} clusters; mean difference "
-        f"{components.mean * scale:+.2f}; between-cluster sd {math.sqrt(components.between) * scale:.2f}, "
-        f"within-cluster (seed) sd {math.sqrt(components.within) * scale:.2f}.",
+        f"{components.mean * scale:+.2f}; between-cluster sd {math.sqrt(components.between) * scale:.2f} "
+        f"({UPPER:.0%} upper bound {math.sqrt(upper.between) * scale:.2f}), within-cluster (seed) sd "
+        f"{math.sqrt(components.within) * scale:.2f}.",
         "",
-        "| seeds per cluster | clusters needed | detectable at that size |",
-        "|---|---|---|",
+        "| seeds per cluster | clusters needed | detectable at that size | clusters at the upper bound |",
+        "|---|---|---|---|",
     ]
     for seeds, clusters in needed.items():
+        more = cautious[seeds] if cautious[seeds] is not None else "more than 64"
         if clusters is None:
-            lines.append(f"| {seeds} | more than 64 | - |")
+            lines.append(f"| {seeds} | more than 64 | - | {more} |")
         else:
             detectable = study_detectable(components, clusters, seeds, alpha, power) * scale
-            lines.append(f"| {seeds} | {clusters} | {detectable:.2f} |")
+            lines.append(f"| {seeds} | {clusters} | {detectable:.2f} | {more} |")
     return [*lines, ""]
 
 
@@ -69,6 +76,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--treatment", nargs="*", default=[], help="key=value overrides of the treatment runs")
     parser.add_argument("--baseline", nargs="*", default=[], help="key=value overrides of the baseline runs")
     parser.add_argument("--out", type=Path, help="write plan.md here (default: print only)")
+    parser.add_argument(
+        "--metric",
+        default="val_final",
+        choices=sorted(METRICS),
+        help="the pilot's score whose spread stands in for the study's (default val_final: the test split stays "
+        "unseen until the study)",
+    )
     args = parser.parse_args(argv)
     runs = load(args.sources)
     if not runs:
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(
             "the pilot's runs declare no comparison (analysis.comparisons): name one with --treatment/--baseline"
         )
-    metric = study.metric
+    metric = args.metric
     table = run_table(runs, factor_keys(runs), study, metric)
     scale = 100.0 if is_accuracy(metric) else 1.0
     alpha = study.alpha / len(comparisons)  # Holm's strictest step: a plan that holds for every comparison
@@ -94,9 +108,8 @@ def main(argv: list[str] | None = None) -> str:
         "",
     ]
     for declared in comparisons:
-        differences, clusters = paired_differences(table, declared, metric)
         try:
-            components = variance_components(differences, clusters)
+            components = variance_components(*paired_differences(table, declared, metric))
         except ValueError as exc:
             parser.error(f"{declared.name}: {exc} in the pilot")
         lines += plan_lines(declared.name, components, args.mde / scale, alpha, args.power, scale)

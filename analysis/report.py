@@ -46,6 +46,7 @@ from analysis.verdicts import (
     declared,
     declared_keys,
     look_note,
+    unit_of,
     value_column,
 )
 from foundation.run_dir import is_factor, override_key
@@ -185,6 +186,16 @@ def _fmt(value: float | None, metric: str, signed: bool = False) -> str:
     return f"{value * scale:{'+' if signed else ''}.{digits}f}"
 
 
+def cell_estimate(runs: pd.DataFrame, metric: str) -> Estimate:
+    """A cell's mean and 95% interval: over its clusters' means where runs share a cluster (seeds of one warm start
+    are not independent draws of the cell), else over its runs. `n` stays the runs that have the metric."""
+    known = runs[runs[metric].notna()]
+    if known.empty or known.cluster.isna().any() or known.cluster.is_unique:
+        return Estimate.of(known[metric])
+    means = Estimate.of(known.groupby("cluster")[metric].mean())
+    return Estimate(means.mean, means.half, len(known))
+
+
 def _fmt_estimate(e: Estimate, metric: str) -> str:
     if e.n == 0:
         return "n/a"
@@ -217,7 +228,7 @@ def cell_table(table: pd.DataFrame, factors: list[str], metric: str = "val_final
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
         for metric in ("val_initial", "val_final", "val_best", "test_final", "reward_final", *subsets):
-            estimate = Estimate.of(runs[metric])
+            estimate = cell_estimate(runs, metric)
             row[metric] = _fmt_estimate(estimate, metric)
             if metric in subsets and 0 < estimate.n < len(runs):  # not every run logs subsets
                 row[metric] += f" (n={estimate.n})"
@@ -251,7 +262,7 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
             row: dict[str, Any] = dict(zip(others, context, strict=True))
             row[factor] = values[level]
             row["n"] = len(runs)
-            row[metric] = _fmt_estimate(Estimate.of(runs[metric]), metric)
+            row[metric] = _fmt_estimate(cell_estimate(runs, metric), metric)
             if level == levels[0]:
                 row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": "", "detectable Δ": ""}
             else:
@@ -268,7 +279,9 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
     return pd.DataFrame(rows)
 
 
-def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[Line]:
+def control_verdicts(
+    table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95, family: int = 1, unit: str = "warm start"
+) -> list[Line]:
     """One line per treatment cell against the control run with the same other factors: both means ± 95% CI, the
     difference with its CI at `level` (`compare`: paired at the warm-start level where the runs pair, else Welch),
     and better / worse / inside noise (that CI against 0), exploratory."""
@@ -286,7 +299,15 @@ def control_verdicts(table: pd.DataFrame, factors: list[str], metric: str, level
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
             lines.append(
-                _verdict(f"{_label(arm_factors, cell)} against the control{where}", control, runs, metric, level)
+                _verdict(
+                    f"{_label(arm_factors, cell)} against the control{where}",
+                    control,
+                    runs,
+                    metric,
+                    level,
+                    family=family,
+                    unit=unit,
+                )
             )
     return lines
 
@@ -300,7 +321,9 @@ def _arms(table: pd.DataFrame, factors: list[str]) -> tuple[pd.DataFrame, pd.Dat
     return controls, treatments, arm_factors, [f for f in factors if f not in arm_factors]
 
 
-def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95) -> list[Line]:
+def treatment_pairs(
+    table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95, unit: str = "warm start"
+) -> list[Line]:
     """The treatments against each other (the later-listed against the earlier, the other factors fixed), as the
     verdict lines judge each against the control: does one arm add what another with the same information lacks?"""
     controls, treatments, arm_factors, others = _arms(table, factors)
@@ -315,7 +338,7 @@ def treatment_pairs(table: pd.DataFrame, factors: list[str], metric: str, level:
             for later in cells[i + 1 :]:
                 base, runs = _in_cell(group, arm_factors, first), _in_cell(group, arm_factors, later)
                 label = f"{_label(arm_factors, later)} against {_label(arm_factors, first)}{where}"
-                lines.append(_verdict(label, base, runs, metric, level, "it"))
+                lines.append(_verdict(label, base, runs, metric, level, "it", unit=unit))
     return lines
 
 
@@ -327,18 +350,29 @@ class Line(NamedTuple):
 
 
 def _verdict(
-    label: str, base: pd.DataFrame, runs: pd.DataFrame, metric: str, level: float, than: str = "the control"
+    label: str,
+    base: pd.DataFrame,
+    runs: pd.DataFrame,
+    metric: str,
+    level: float,
+    than: str = "the control",
+    family: int = 1,
+    unit: str = "warm start",
 ) -> Line:
-    """An exploratory verdict, `label`: both means, Δ with its CI and p (foundation.stats: paired at the warm-start
-    level, or Welch), better / worse / inside noise by that CI, labelled exploratory and uncorrected."""
-    c = compare(base, runs, metric, level)
+    """An exploratory verdict, `label`: both means, Δ with its CI and p (foundation.stats: paired at the level of
+    `unit`, or Welch), better / worse / inside noise by that CI, labelled exploratory. `family` > 1: one of that many
+    subsets' verdicts, its CI at `level` (Bonferroni) and its p multiplied by `family`, said so."""
+    c = compare(base, runs, metric, level, unit)
+    if family > 1 and c.p is not None:
+        c = dataclasses.replace(c, p=min(1.0, c.p * family))
     verdict = Verdict(label, "exploratory", c, Estimate.of(runs[metric]), Estimate.of(base[metric]))
     outcome = verdict.outcome
     if base[metric].isna().all() or runs[metric].isna().all():
         outcome = f"no verdict (an arm has no `{metric}`)"
     elif outcome == "beyond noise":
         outcome = f"{'better' if c.diff > 0 else 'worse'} than {than}, beyond noise"
-    text = f"{label}: {_means(verdict, metric)}: **{outcome}** ({EXPLORATORY}){_details(c, metric)}. "
+    tag = EXPLORATORY if family == 1 else f"exploratory; Bonferroni over {family} subsets, p x {family}"
+    text = f"{label}: {_means(verdict, metric)}: **{outcome}** ({tag}){_details(c, metric)}. "
     return Line(text + _compute_line(runs[runs[metric].notna()], base[base[metric].notna()]), verdict)
 
 
@@ -473,7 +507,7 @@ def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
         x = runs[cost].mean() / per
-        e = Estimate.of(runs[metric])
+        e = cell_estimate(runs, metric)
         ax.errorbar(
             [x], [e.mean * scale], yerr=[(e.half or 0) * scale], fmt="o", capsize=4, label=_label(factors, cell)
         )
@@ -509,9 +543,16 @@ class Report:
 
 
 def study_of(runs: list[Run]) -> Study:
-    """The declaration the runs recorded (`analysis` in their configs): the same in every run that has one; runs
-    from before declarations existed have none (no comparison is declared)."""
+    """The declaration the runs recorded (`analysis` in their configs): the same in every run. Runs from before
+    declarations existed have none (no comparison is declared); a mix of runs with and without one is refused, so
+    that no run enters a declared family it was not run under."""
     declarations = {json.dumps(r.config["analysis"], sort_keys=True): r for r in runs if r.config.get("analysis")}
+    without = [r.name for r in runs if r.config and not r.config.get("analysis")]
+    if declarations and without:
+        raise ValueError(
+            f"{len(without)} runs declare no analysis ({', '.join(without[:3])}) beside runs that do: runs from "
+            "before the study's declaration are not part of it; report them apart"
+        )
     if len(declarations) > 1:
         names = ", ".join(r.name for r in declarations.values())
         raise ValueError(
@@ -538,16 +579,17 @@ def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]
     table = run_table(runs, factors, study, study.metric if study.comparisons else metric)
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
     per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
-    verdicts = control_verdicts(table, factors, metric)
+    unit = unit_of(study)
+    verdicts = control_verdicts(table, factors, metric, unit=unit)
     columns = subset_metrics(table, metric) if metric in SPLIT_METRICS else []
     level = 1 - 0.05 / max(len(columns), 1)  # Bonferroni: one test per subset, 5 % for all of them together
     by_subset = [
         Line(f"`{column.split(SUBSET_SEP, 1)[1]}` questions: {line.text}", _renamed(line.verdict, column))
         for column in columns
-        for line in control_verdicts(table, factors, column, level)
+        for line in control_verdicts(table, factors, column, level, len(columns), unit)
     ]
     cells = cell_table(table, factors, metric)
-    pairs = treatment_pairs(table, factors, metric)
+    pairs = treatment_pairs(table, factors, metric, unit=unit)
     decl = declared(table, study, study.metric)
     return Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl), factors
 
@@ -561,7 +603,8 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         f"Sources: {', '.join(sources)}. {len(report.runs)} runs: {done} completed, {len(report.problems)} failed, "
         f"unfinished or not started (listed at the end, left out of every number). Metric: {METRICS[metric]} "
         f"(`{metric}`{', percent' if is_accuracy(metric) else ''}). Cells show mean ± 95% confidence "
-        "interval over seeds (t distribution); a cell with one seed has no error bar."
+        "interval over seeds, or over warm starts where seeds share them (t distribution); a cell with one seed has no "
+        "error bar."
     )
     if "" in looks:
         intro += " " + looks[""]
@@ -595,8 +638,9 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         )
         out.append(("Treatments against each other", text + "\n".join(f"- {line.text}" for line in report.pairs), None))
     cells = (
-        "Accuracy in percent (`val_initial`: before GRPO, after any warm start). seeds: completed runs of all runs "
-        "in the cell. Cost per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."
+        "Accuracy in percent (`val_initial`: before GRPO, after any warm start), mean ± 95% CI over the runs, or over "
+        "the warm starts' means where seeds share warm starts. seeds: completed runs of all runs in the cell. Cost "
+        "per run: GPU-hours = wall time x GPUs (from `resources`, else 1 on CUDA, 0 on CPU)."
     )
     out.append(("All cells", cells, report.cells))
     for factor, table in report.factors.items():
@@ -640,29 +684,36 @@ def _html_text(text: str) -> str:
     return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
 
 
-def record_looks(report: Report, out: Path) -> dict[str, str]:
-    """Where the report judges on the test split, its look goes into `out`'s ledger (analysis/verdicts.py `Ledger`).
-    Per declared comparison, the note its verdict carries; under "", a sentence for the report's introduction."""
-    judged = [(metric, v) for metric, v in report.judged if metric.startswith("test")]
-    if not judged:
+def record_looks(report: Report, ledger_dir: Path) -> dict[str, str]:
+    """Where the report shows test-split scores (any completed run's `test_final`), its look goes into the ledger
+    kept with the runs (`ledger_dir`: the first run folder given, whichever folder the report is written to; see
+    analysis/verdicts.py `Ledger`). Per declared comparison, the note its verdict carries; under "", a sentence for
+    the report's introduction."""
+    done = report.runs[report.runs.status == COMPLETED]
+    if done.test_final.isna().all():
         return {}
-    look, before = Ledger(out / LEDGER).record(report.runs, judged[0][0], [v for _, v in judged])
+    judged = [v for metric, v in report.judged if metric.startswith("test")]
+    ledger = Ledger(ledger_dir / LEDGER)
+    look, before = ledger.record(report.runs, "test_final", judged)
     notes = {v.name: look_note(v.name, v.outcome, look, before) for v in report.declared}
     notes[""] = (
-        f"The test split's verdicts here are look {look.look} at it ({LEDGER} in the report's folder: "
-        f"{len(before)} look{'' if len(before) == 1 else 's'} before this one; a re-render of the same runs and "
-        "scores is not a new look)."
+        f"The test split's scores here are look {look.look} at it ({ledger.path}: {len(before)} "
+        f"look{'' if len(before) == 1 else 's'} before this one; a re-render of the same runs and scores is not a "
+        "new look)."
     )
     return notes
 
 
-def write(report: Report, runs: list[Run], factors: list[str], sources: list[str], out: Path) -> None:
+def write(
+    report: Report, runs: list[Run], factors: list[str], sources: list[str], out: Path, ledger_dir: Path | None = None
+) -> None:
+    """The report's files into `out`; a look at the test split into the ledger in `ledger_dir` (default: `out`)."""
     out.mkdir(parents=True, exist_ok=True)
     curves_figure(runs, report.runs, factors, out / "curves.png")
     cost_figure(report.runs, factors, report.metric, out / "cost.png")
     report.runs.drop(columns=["items"]).to_csv(out / "runs.csv", index=False)
     md, body = [], []
-    for heading, text, table in _sections(report, sources, record_looks(report, out)):
+    for heading, text, table in _sections(report, sources, record_looks(report, ledger_dir or out)):
         level = "#" if heading == "Ablation report" else "##"
         md.append(f"{level} {heading}\n")
         body.append(f"<h{len(level)}>{html.escape(heading.replace('`', ''))}</h{len(level)}>")
@@ -702,7 +753,7 @@ def main(argv: list[str] | None = None) -> Path:
         report, factors = build(runs, args.metric)
     except ValueError as exc:
         parser.error(str(exc))
-    write(report, runs, factors, args.sources, out)
+    write(report, runs, factors, args.sources, out, Path(local[0]) if local else out)
     print(f"{len(runs)} runs ({len(report.problems)} failed or unfinished), factors: {', '.join(factors) or 'none'}")
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return out

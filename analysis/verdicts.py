@@ -14,6 +14,7 @@ declared comparisons adjusted together by Holm, and the ledger of looks at the t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -26,25 +27,64 @@ import numpy as np
 import pandas as pd
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from foundation.stats import LEVEL, Comparison, Estimate, bootstrap_clusters_items, clustered, holm, welch
-from foundation.study import Declared, Study
+from analysis.runs import COMPLETED
+from foundation.stats import LEVEL, Comparison, Estimate, bootstrap_clusters_items, clustered, holm, paired, welch
+from foundation.study import WARM_START, Study
 
 EXPLORATORY = "exploratory, uncorrected"
 LEDGER = "ledger.jsonl"
 
 
+@dataclass
+class Pairs:
+    """Two sides' runs matched by seed and warm start (`pair`): the differences, each pair's cluster (None: the pair
+    is its own unit) and the runs of either side left without a partner."""
+
+    differences: np.ndarray
+    clusters: list[str | None]
+    unpaired: list[str]
+
+
+def pairs_of(base: pd.DataFrame, other: pd.DataFrame, metric: str) -> Pairs | None:
+    """other - base per pair, over the pairs both sides have (runs with the metric); None where a side has a pair
+    twice (runs of one seed and start that are not one run) or fewer than 2 pairs exist."""
+    a, b = base[base[metric].notna()], other[other[metric].notna()]
+    if not a.pair.is_unique or not b.pair.is_unique:
+        return None
+    shared = [p for p in a.pair if p in set(b.pair)]
+    if len(shared) < 2:
+        return None
+    a, b = a.set_index("pair").loc[shared], b.set_index("pair").loc[shared]
+    d = b[metric].to_numpy(dtype=float) - a[metric].to_numpy(dtype=float)
+    clusters = [c if isinstance(c, str) and c else None for c in a.cluster]
+    unpaired = sorted(set(base.run[~base.pair.isin(shared)]) | set(other.run[~other.pair.isin(shared)]))
+    return Pairs(d, clusters, unpaired)
+
+
 def compare(
     base: pd.DataFrame, other: pd.DataFrame, metric: str, level: float = LEVEL, unit: str = "warm start"
 ) -> Comparison:
-    """`other` against `base` on `metric`: paired where every run of each side that has the metric has exactly one
-    partner on the other side with the same seed and warm start (`pair`), and then taken at the level of the
-    independent unit where pairs share a cluster (`cluster`: a warm start); else Welch's t."""
+    """`other` against `base` on `metric`: paired by seed and warm start (`pairs_of`), taken at the level of the
+    independent unit where pairs share a cluster (`cluster`: a warm start; foundation.stats.clustered); runs left
+    without a partner (a failed run) are named, never silently pooled. Where the runs do not pair: Welch's t over
+    the clusters' means where runs have clusters, else over runs."""
+    found = pairs_of(base, other, metric)
+    if found is not None:
+        if all(c is None for c in found.clusters):
+            result = paired(found.differences, level)
+        else:
+            labels = [c if c is not None else f"pair {i}" for i, c in enumerate(found.clusters)]
+            result = clustered(found.differences, labels, level, unit)
+        if found.unpaired:
+            left = f"{len(found.unpaired)} runs without a partner left out ({', '.join(found.unpaired[:3])}"
+            left += ", ...)" if len(found.unpaired) > 3 else ")"
+            result = dataclasses.replace(result, caveat="; ".join(filter(None, [result.caveat, left])))
+        return result
     a, b = base[base[metric].notna()], other[other[metric].notna()]
-    if len(a) >= 2 and a.pair.is_unique and b.pair.is_unique and set(a.pair) == set(b.pair):
-        a, b = a.set_index("pair"), b.set_index("pair").loc[a.pair]
-        d = b[metric].to_numpy(dtype=float) - a[metric].to_numpy(dtype=float)
-        clusters = [c if isinstance(c, str) and c else pair for c, pair in zip(a.cluster, a.index, strict=True)]
-        return clustered(d, clusters, level, unit)
+    if a.cluster.notna().all() and b.cluster.notna().all() and len(a) and len(b):
+        means = [side.groupby("cluster")[metric].mean() for side in (a, b)]
+        result = welch(means[0], means[1], level)
+        return dataclasses.replace(result, test=f"Welch over {unit} means (runs do not pair)")
     return welch(a[metric], b[metric], level)
 
 
@@ -62,13 +102,24 @@ def _parse(override: str) -> tuple[str, Any]:
     return parsed.key_or_group, parsed.value()
 
 
+def same_value(value: Any, want: Any) -> bool:
+    """A run's value against an override's, types kept apart: a bool equals only a bool (0 is not `false`), null
+    equals None or a missing number (NaN), numbers compare as numbers (2048 = 2048.0), the rest as text."""
+    if want is None:
+        return value is None or (isinstance(value, float) and math.isnan(value))
+    if isinstance(want, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(want, bool) and value == want
+    if isinstance(want, int | float) and isinstance(value, int | float):
+        return float(value) == float(want)
+    return str(value) == str(want)
+
+
 def matching(table: pd.DataFrame, overrides: list[str]) -> pd.DataFrame:
     """The rows whose values equal every override's (`algorithm=grpo`, `agent.check_step=false`)."""
     mask = pd.Series(True, index=table.index)
     for override in overrides:
         key, value = _parse(override)
-        column = table[value_column(key)]
-        mask &= column.map(lambda v, want=value: v == want or str(v) == str(want))
+        mask &= table[value_column(key)].map(lambda v, want=value: same_value(v, want))
     return table[mask]
 
 
@@ -123,12 +174,16 @@ class Verdict:
 
 def declared(table: pd.DataFrame, study: Study, metric: str) -> list[Verdict]:
     """The study's declared comparisons on `metric` (completed runs), Holm-adjusted together: one family."""
-    done = table[table.status == "completed"]
-    unit = "warm start" if study.cluster == "warm_start" else study.cluster
+    done = table[table.status == COMPLETED]
+    unit = unit_of(study)
     verdicts = []
     for declaration in study.comparisons:
         treated, base = matching(done, declaration.treatment), matching(done, declaration.baseline)
         comparison = compare(base, treated, metric, LEVEL, unit)
+        empty = [" ".join(side) for side, runs in ((declaration.treatment, treated), (declaration.baseline, base))]
+        empty = [side for side, runs in zip(empty, (treated, base), strict=True) if runs.empty]
+        if empty:  # a misspelt declaration, or runs not done yet: said, not judged
+            comparison = dataclasses.replace(comparison, caveat=f"no completed run matches {' and '.join(empty)}")
         verdicts.append(
             Verdict(
                 declaration.name,
@@ -145,15 +200,20 @@ def declared(table: pd.DataFrame, study: Study, metric: str) -> list[Verdict]:
     return verdicts
 
 
-def label_of(declaration: Declared) -> str:
-    return f"{' '.join(declaration.treatment)} against {' '.join(declaration.baseline)}"
+def unit_of(study: Study) -> str:
+    """What the study's cluster is, in words."""
+    return "warm start" if study.cluster == WARM_START else study.cluster
 
 
 def item_differences(base: pd.DataFrame, treated: pd.DataFrame) -> list[np.ndarray] | None:
     """Per cluster, a (pairs x questions) array of treated - base per-question scores over the questions every run
     scored (`items`: id -> score); None where the runs do not pair or lack item-level scores."""
-    if base.empty or not base.pair.is_unique or not treated.pair.is_unique or set(base.pair) != set(treated.pair):
+    if base.empty or not base.pair.is_unique or not treated.pair.is_unique:
         return None
+    shared = [p for p in base.pair if p in set(treated.pair)]  # as `pairs_of`: runs without a partner left out
+    if len(shared) < 2:
+        return None
+    base, treated = base[base.pair.isin(shared)], treated[treated.pair.isin(shared)]
     items = list(base["items"]) + list(treated["items"])
     if any(not isinstance(i, dict) or not i for i in items):
         return None
@@ -209,7 +269,7 @@ class Ledger:
 
     def record(self, table: pd.DataFrame, metric: str, verdicts: list[Verdict]) -> tuple[Look, list[Look]]:
         """This look (appended unless the same runs and scores were looked at before) and the looks before it."""
-        done = table[(table.status == "completed") & table[metric].notna()]
+        done = table[(table.status == COMPLETED) & table[metric].notna()]
         scores = sorted((str(r), float(v)) for r, v in zip(done.run, done[metric], strict=True))
         fingerprint = hashlib.sha256(json.dumps([metric, scores]).encode()).hexdigest()[:16]
         looks = self.looks()
@@ -243,7 +303,7 @@ def look_note(name: str, outcome: str, look: Look, before: list[Look]) -> str:
     note += f", after {len(before)} earlier look{'s' if len(before) > 1 else ''}"
     if changes:
         note += (
-            f"; CHANGED since: {'; '.join(changes)} — runs added after the test was seen: not confirmatory unless "
-            "planned before the first look"
+            f"; CHANGED since: {'; '.join(changes)} (runs added or removed, or the analysis changed, after the test "
+            "was seen): not confirmatory unless planned before the first look"
         )
     return note

@@ -35,6 +35,10 @@ class GRPO:
     max_steps: int = number(-1, ge=-1)  # -1: as many as `epochs` make
     save_every: int = number(64, gt=0)
     val_every: int = number(16, gt=0)
+    # validate each time another 1/val_points of the run's budget is spent (its FLOPs, GPU-seconds or training
+    # seconds; max_steps without one), and at the end: every arm of a study at the same points of its compute, so
+    # every arm has a curve (None: every val_every steps, sft_val_every for the SFT arms)
+    val_points: int | None = number(None, gt=0)
     max_grad_norm: float = number(1.0, gt=0)
     loss_type: str = one_of("dapo", LOSS_TYPES)
     is_correction: str = one_of("token_truncate", IS_CORRECTIONS)
@@ -96,6 +100,15 @@ class GRPO:
     def budgeted(self) -> bool:
         """Whether a budget (time, FLOPs or GPU-seconds) may end training before `max_steps` or `epochs`."""
         return any(b is not None for b in (self.time_budget_s, self.flops_budget, self.gpu_s_budget))
+
+    def budget_fraction(self, flops: float, gpu_s: float, train_s: float, step: int, max_steps: int) -> float:
+        """How much of the run's budget is spent: the most of each budget it has (FLOPs, GPU-seconds, training
+        seconds), or of its steps when it has none."""
+        budgets = [(flops, self.flops_budget), (gpu_s, self.gpu_s_budget), (train_s, self.time_budget_s)]
+        shares = [spent / budget for spent, budget in budgets if budget is not None]
+        if shares:
+            return max(shares)
+        return step / max_steps if max_steps > 0 else 0.0
 
     @property
     def lr_schedule(self) -> str:

@@ -89,3 +89,49 @@ def test_a_gpu_seconds_budget_ends_the_control_and_counts_the_pool_charge() -> N
 def test_verl_refuses_every_budget_by_name(key: str) -> None:
     with pytest.raises(ConfigError, match=rf"algorithm\.{key}=60.0: backend=trl's"):
         check_algorithm(GRPO(**{key: 60.0}))
+
+
+def test_every_arm_validates_at_the_same_points_of_its_budget() -> None:
+    """`algorithm.val_points=4` under one FLOPs budget: GRPO (80k FLOPs a step) and the SFT control (30k a step)
+    each validate at the first step end past 1/4, 2/4 and 3/4 of the budget, and at its end: four points each,
+    whatever their steps."""
+    budget, points = 800_000.0, 4
+    grpo = GRPO(flops_budget=budget, val_points=points, val_every=1000)
+    compute = ComputeCount(N, 6)
+    rollouts = SimpleNamespace(last_stats={}, last_tokens={"trained": 10, "generated": 2, "prefill": 8}, memory=None)
+    seen: list[tuple[str, float]] = []
+    step_log = _StepLog(
+        SimpleNamespace(algorithm=grpo, run=None),
+        rollouts,
+        lambda m, when: seen.append((when, compute.flops / budget)) or {},
+        compute,
+    )
+    stopped = steps(step_log, compute, [0.0] * 10, max_steps=100)
+    assert stopped == [False] * 9 + [True]
+    assert seen == [("step3", 0.3), ("step5", 0.5), ("step8", 0.8), ("final", 1.0)]
+
+    control = SFTControl(flops_budget=budget, val_points=points, max_steps=-1, sft_val_every=1000)
+    compute = ComputeCount(N, 6)
+    fractions: list[tuple[str, float]] = []
+    sft = _Budget(
+        SimpleNamespace(algorithm=control, run=SimpleNamespace(log=lambda step, metrics: None)),
+        lambda m, when: fractions.append((when, compute.flops / budget)) or {},
+        compute,
+    )
+    tokens = iter(range(5, 1000, 5))  # the trainer's tokens so far: 5 more a step, 30k FLOPs
+    sft.tokens_seen = lambda: float(next(tokens))
+    stopped = steps(sft, compute, [0.0] * 27, max_steps=10**9)
+    assert stopped == [False] * 26 + [True]
+    assert [name for name, _ in fractions] == ["step7", "step14", "step20", "final"]
+    for k, (_, fraction) in enumerate(fractions[:3], start=1):
+        assert k / points <= fraction < k / points + 30_000 / budget  # the first step end past each point
+
+
+def test_without_val_points_each_arm_validates_every_its_own_steps() -> None:
+    algo = GRPO(max_steps=5, val_every=2)
+    compute = ComputeCount(N, 6)
+    rollouts = SimpleNamespace(last_stats={}, last_tokens={"trained": 1}, memory=None)
+    seen: list[str] = []
+    step_log = _StepLog(SimpleNamespace(algorithm=algo, run=None), rollouts, lambda m, w: seen.append(w) or {}, compute)
+    steps(step_log, compute, [0.0] * 5, max_steps=5)
+    assert seen == ["step2", "step4", "final"]

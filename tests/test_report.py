@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
 from scipy import stats
 
-from analysis import report
+from analysis import report, verdicts
 from analysis.runs import load_wandb
 
 # The seed articles' Qwen2.5-Coder-3B results (validation accuracy, %) per (max prompt length, agent turns).
@@ -323,12 +324,15 @@ def test_a_treatment_is_judged_on_each_validation_subset_too(tmp_path: Path) -> 
     assert "(n=4) vs 55.0 ± " in lines[0] and "inside noise" in lines[0]
     assert all(line.count("(n=3)") == 2 for line in lines[1:])
     assert lines[1].startswith("- `combination` questions: algorithm=grpo against the control: 5.0 ± 0.0 (n=3) vs")
-    assert lines[1].endswith(": **inside noise** (exploratory, uncorrected); Welch. " + COST)  # no spread: no power
+    subsets = "(exploratory; Bonferroni over 3 subsets, p x 3)"
+    assert lines[1].endswith(f": **inside noise** {subsets}; Welch. " + COST)  # no spread: no power
     assert lines[2].startswith("- `entity` questions: algorithm=grpo against the control: 31.0 ± 2.5 (n=3) vs 11.0")
     assert "Δ +20.0 [" in lines[2] and "**better than the control, beyond noise**" in lines[2]
     # +10 points at a spread of 4: beyond noise at 95% (Welch: [+0.9, +19.1]), not at 98.3%
     assert lines[3].startswith("- `value` questions:") and "Δ +10.0 [-2.9, +22.9], p = " in lines[3]
-    assert "**inside noise** (exploratory, uncorrected); Welch" in lines[3]
+    assert f"**inside noise** {subsets}; Welch" in lines[3]
+    p = float(lines[3].split("p = ")[1].split(":")[0])  # p x 3 over 0.05 where the 98.3% CI holds 0
+    assert p > 0.05
     cells = table_rows(out_tables(md)["All cells"])
     assert [r["val_final:entity"] for r in cells] == ["11.0 ± 2.5 (n=3)", "31.0 ± 2.5 (n=3)"]
 
@@ -494,7 +498,7 @@ STEADY = {0: (0.02, 0.03, 0.04), 1: (0.04, 0.05, 0.03), 2: (0.04, 0.02, 0.03)}
 
 
 def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: Path) -> None:
-    write_study(tmp_path / "study", DECLARED | {"comparisons": DECLARED["comparisons"]}, STEADY)
+    write_study(tmp_path / "study", DECLARED, STEADY)
     built, _ = report.build(report.load([str(tmp_path / "study")]))
     grpo, rft = built.declared
     assert (grpo.name, grpo.role, rft.role) == ("grpo_vs_control", "primary", "secondary")
@@ -506,7 +510,19 @@ def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: P
     section = out_tables(md)["Declared comparisons"]
     line = next(x for x in section.splitlines() if x.startswith("- **grpo_vs_control** (primary)"))
     assert f"Holm-adjusted p = {grpo.p_holm:.3f} (family of 2, alpha 0.05)" in line
-    assert "resampling clusters and questions: Δ " in line
+    # each run's 10 questions: right on the first round(accuracy x 10); the resampled mean is the pairs' mean
+    per_question = (
+        np.mean(
+            [
+                round((0.30 + 0.01 * i + g) * 10) - round((0.30 + 0.01 * i) * 10)
+                for gains in STEADY.values()
+                for i, g in enumerate(gains)
+            ]
+        )
+        * 10
+    )
+    assert grpo.bootstrap is not None and grpo.bootstrap[0] == pytest.approx(per_question / 100)
+    assert f"resampling clusters and questions: Δ {per_question:+.1f} [" in line
     assert "(exploratory" not in section
 
 
@@ -531,20 +547,98 @@ def test_runs_that_declare_different_analyses_are_refused(tmp_path: Path) -> Non
 
 
 def test_every_look_at_the_test_split_is_recorded_and_a_changed_verdict_says_so(tmp_path: Path) -> None:
-    """A pilot's look (one warm start: no verdict), a re-render (not a new look), then more warm starts: the second
-    look is in the ledger, and the verdict says it changed since the first."""
-    study, out = tmp_path / "study", tmp_path / "report"
+    """A pilot's look (one warm start: no verdict), a re-render into another folder (the same runs and scores: not a
+    new look, and the same ledger: it is kept with the runs), then more warm starts: the second look is in the
+    ledger, and the verdict says it changed since the first."""
+    study = tmp_path / "study"
     write_study(study / "ws0", DECLARED, {0: STEADY[0]})
-    report.main([str(study), "--out", str(out)])
-    report.main([str(study), "--out", str(out)])  # the same runs and scores: the same look
-    ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    report.main([str(study), "--out", str(tmp_path / "report")])
+    report.main([str(study), "--out", str(tmp_path / "elsewhere")])
+    ledger = [json.loads(x) for x in (study / "ledger.jsonl").read_text().splitlines()]
     assert [look["look"] for look in ledger] == [1]
     assert ledger[0]["runs"] == 9 and ledger[0]["verdicts"]["grpo_vs_control"]["outcome"].startswith("no verdict")
     write_study(study / "ws12", DECLARED, {1: STEADY[1], 2: STEADY[2]})
-    md = (report.main([str(study), "--out", str(out)]) / "report.md").read_text()
-    ledger = [json.loads(x) for x in (out / "ledger.jsonl").read_text().splitlines()]
+    md = (report.main([str(study), "--out", str(tmp_path / "report")]) / "report.md").read_text()
+    ledger = [json.loads(x) for x in (study / "ledger.jsonl").read_text().splitlines()]
     assert [(look["look"], look["runs"]) for look in ledger] == [(1, 9), (2, 27)]
     line = next(x for x in out_tables(md)["Declared comparisons"].splitlines() if "grpo_vs_control" in x)
     assert "test look 2 (" in line and "after 1 earlier look" in line
     assert "CHANGED since: no verdict" in line and "at look 1 (9 runs)" in line
-    assert "look 2 at it (ledger.jsonl in the report's folder: 1 look before this one" in md
+    assert "look 2 at it (" in md and "1 look before this one" in md
+
+
+def test_showing_test_scores_is_a_look_whatever_metric_the_report_judges(tmp_path: Path) -> None:
+    """The cells table shows `test_final` beside validation: a report on `val_final` still records the look."""
+    write_study(tmp_path / "study", None, STEADY)
+    report.main([str(tmp_path / "study"), "--metric", "val_final"])
+    (look,) = [json.loads(x) for x in (tmp_path / "study" / "ledger.jsonl").read_text().splitlines()]
+    assert look["runs"] == 27 and look["metric"] == "test_final"
+
+
+def test_a_run_without_its_partner_is_named_not_pooled(tmp_path: Path) -> None:
+    """One GRPO run lost its metric: the other eight pairs are compared at the warm-start level, and the line names
+    the runs left out (falling back to Welch over all runs would ignore the warm starts: on the pool study that
+    turned an interval holding 0 into one that does not)."""
+    write_study(tmp_path / "study", None, HETEROGENEOUS)
+    lost = next(
+        p for p in (tmp_path / "study").iterdir() if "algorithm=grpo" in (p / ".hydra/overrides.yaml").read_text()
+    )
+    metrics = [json.loads(x) for x in (lost / "metrics.jsonl").read_text().splitlines()]
+    (lost / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in m.items() if k != "test/accuracy"}) + "\n" for m in metrics)
+    )
+    built, _ = report.build(report.load([str(tmp_path / "study")]), "test_final")
+    line = next(x for x in built.verdicts if x.verdict and x.verdict.name.startswith("algorithm=grpo"))
+    c = line.verdict.comparison
+    assert c.test == "paired at the warm start level (3 warm starts, 8 pairs)" and c.low < 0 < c.high
+    # the lost run and its seed's control run, both named
+    assert "2 runs without a partner left out (" in line.text and str(lost.relative_to(tmp_path)) in line.text
+
+
+def test_differences_without_spread_get_no_verdict(tmp_path: Path) -> None:
+    """Every warm start gains exactly 2 points: no spread, no test, no certain verdict."""
+    write_study(tmp_path / "study", None, {w: (0.02, 0.02, 0.02) for w in range(3)})
+    built, _ = report.build(report.load([str(tmp_path / "study")]), "test_final")
+    line = next(x for x in built.verdicts if x.verdict and x.verdict.name.startswith("algorithm=grpo"))
+    assert "**no verdict (no spread between the units: no test)**" in line.text
+
+
+def test_two_warm_starts_of_one_seed_each_say_they_cannot_speak_beyond_them(tmp_path: Path) -> None:
+    write_study(tmp_path / "study", None, {0: (0.02,), 1: (0.05,)})
+    built, _ = report.build(report.load([str(tmp_path / "study")]), "test_final")
+    line = next(x for x in built.verdicts if x.verdict and x.verdict.name.startswith("algorithm=grpo"))
+    assert "2 warm starts: cannot speak beyond its warm starts" in line.text
+
+
+@pytest.mark.parametrize(
+    ("value", "override", "matches"),
+    [
+        (False, "x=false", True),
+        (0, "x=false", False),  # 0 is not false
+        (True, "x=1", False),
+        (2048, "x=2048.0", True),
+        (None, "x=null", True),
+        (float("nan"), "x=null", True),
+        ("grpo", "x=grpo", True),
+        ("grpo", "x=rft", False),
+    ],
+)
+def test_a_declared_override_matches_values_of_its_type(value: Any, override: str, matches: bool) -> None:
+    table = pd.DataFrame({"value:x": [value]})
+    assert len(verdicts.matching(table, [override])) == int(matches)
+
+
+def test_a_declaration_that_matches_no_run_says_so(tmp_path: Path) -> None:
+    typo = DECLARED | {
+        "comparisons": [{"name": "typo", "treatment": ["algorithm=grop"], "baseline": ["algorithm=rft"]}]
+    }
+    write_study(tmp_path / "study", typo, STEADY)
+    md = (report.main([str(tmp_path / "study")]) / "report.md").read_text()
+    assert "no completed run matches algorithm=grop" in out_tables(md)["Declared comparisons"]
+
+
+def test_runs_without_a_declaration_do_not_join_a_declared_study(tmp_path: Path) -> None:
+    write_study(tmp_path / "declared", DECLARED, STEADY)
+    write_study(tmp_path / "older", None, STEADY)
+    with pytest.raises(ValueError, match="27 runs declare no analysis"):
+        report.build(report.load([str(tmp_path / "declared"), str(tmp_path / "older")]))

@@ -81,6 +81,16 @@ def test_the_plan_finds_the_fewest_clusters_that_detect_the_effect() -> None:
     assert stats.plan(components, mde=0.001, max_clusters=10) == {1: None, 2: None, 3: None, 4: None}
 
 
+def test_the_upper_bound_of_the_between_variance_is_wider_and_plans_more_clusters() -> None:
+    d = [0.01, 0.02, 0.10, 0.11, 0.05, 0.07]
+    components = stats.variance_components(d, ["w0", "w0", "w1", "w1", "w2", "w2"])
+    upper = components.upper(0.8)
+    msb_upper = components.msb * 2 / scipy_stats.chi2.ppf(0.2, 2)
+    assert upper.between == pytest.approx((msb_upper - components.within) / components.n0)
+    assert upper.between > components.between and upper.within == components.within
+    assert stats.plan(upper, 0.05)[2] >= stats.plan(components, 0.05)[2]
+
+
 def test_the_bootstrap_resamples_clusters_and_questions() -> None:
     rng = np.random.default_rng(1)
     same = [rng.normal(0.1, 0.3, size=(3, 200)) for _ in range(6)]  # clusters alike: a narrow interval
@@ -95,8 +105,11 @@ def test_the_bootstrap_resamples_clusters_and_questions() -> None:
 
 def test_the_plan_command_reads_a_pilot_and_writes_its_plan(tmp_path: Path) -> None:
     write_study(tmp_path / "pilot", DECLARED, HETEROGENEOUS)
-    text = plan_cli.main([str(tmp_path / "pilot"), "--mde", "5", "--out", str(tmp_path / "plan")])
+    text = plan_cli.main(
+        [str(tmp_path / "pilot"), "--mde", "5", "--metric", "test_final", "--out", str(tmp_path / "plan")]
+    )
     assert "alpha 0.05 / 2 comparisons = 0.0250" in text
     assert "## grpo_vs_control" in text and "## rft_vs_control" in text
-    assert "Pilot: 9 pairs in 3 clusters; mean difference +9.00" in text
+    assert "Pilot: 9 pairs in 3 clusters; mean difference +9.00; between-cluster sd 7.99 (80% upper bound " in text
+
     assert (tmp_path / "plan" / "plan.md").read_text().startswith("# Study plan from a pilot")

@@ -43,8 +43,9 @@ def test_each_arm_gets_its_best_setting_on_validation(tmp_path: Path) -> None:
     assert "| algorithm.learning_rate=0.0001 | 2 | 51.0 ± " in md and "inside noise of the runner-up" in md
 
 
-def test_tuning_runs_that_scored_the_test_split_are_refused(tmp_path: Path) -> None:
+def test_tuning_runs_that_scored_the_test_split_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_grid(tmp_path / "tuning", test_final=0.3)
     with pytest.raises(SystemExit):
         tune.main([str(tmp_path / "tuning"), "--out", str(tmp_path / "out")])
+    assert "12 tuning runs scored the test split" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

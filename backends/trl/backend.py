@@ -619,9 +619,30 @@ class _StopAtStepEnd(TrainerCallback):
             control.should_training_stop = True
 
 
+class _Cadence:
+    """When an arm validates between its first and last validation: every `every` steps, or with
+    `algorithm.val_points` at each further 1/val_points of its budget spent, whatever its steps are (GRPO's of 128
+    rollouts, SFT's of 32 demonstrations), so the arms of a study are validated at the same points of their compute.
+    Callers take rank 0's verdict (`agreed`): ranks' training seconds differ slightly."""
+
+    def __init__(self, algo: GRPO, every: int) -> None:
+        self.points, self.every = algo.val_points, every
+        self.point = 0  # the budget points passed so far
+
+    def due(self, step: int, fraction: float) -> bool:
+        if self.points is None:
+            return step % self.every == 0
+        point = min(int(fraction * self.points), self.points)
+        if point <= self.point:
+            return False
+        self.point = point
+        return True
+
+
 class _Budget(TrainerCallback):
     """The control arm's clock and log: training seconds (validation not counted); validates every `sft_val_every`
-    SFT steps, and at the end (a time, FLOPs or GPU-seconds budget spent, or `max_steps`), where it stops training."""
+    SFT steps (or at `val_points`, as GRPO does), and at the end (a time, FLOPs or GPU-seconds budget spent, or
+    `max_steps`), where it stops training."""
 
     def __init__(self, setup: TrainSetup, validate: Any, compute: ComputeCount) -> None:
         self.setup = setup
@@ -630,6 +651,7 @@ class _Budget(TrainerCallback):
         self.tokens_seen: Callable[[], float] = lambda: 0.0  # the trainer's tokens so far
         self.train_s = 0.0
         self.loss: float | None = None
+        self.cadence = _Cadence(setup.algorithm, setup.algorithm.sft_val_every)
         self._since = time.perf_counter()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -648,7 +670,8 @@ class _Budget(TrainerCallback):
         out_of_time = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
         spent = out_of_time or self.compute.spent(algo.flops_budget, algo.gpu_s_budget)
         last = step == state.max_steps or agreed(spent)
-        if last or step % algo.sft_val_every == 0:
+        fraction = algo.budget_fraction(self.compute.flops, self.compute.gpu_s, self.train_s, step, state.max_steps)
+        if last or agreed(self.cadence.due(step, fraction)):
             metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss, **self.compute.metrics()}
             start = time.perf_counter()
             metrics |= self.validate(model, "final" if last else f"step{step}")
@@ -662,8 +685,8 @@ class _Budget(TrainerCallback):
 
 class _StepLog(TrainerCallback):
     """Writes TRL's per-step logs, the rollouts' stats and the step's phase times (`timing_s/*`) to metrics.jsonl;
-    validates every `val_every` steps, and at the end: `max_steps`, or a time, FLOPs or GPU-seconds budget spent (it
-    stops training there).
+    validates every `val_every` steps (or at `val_points` of its budget: `_Cadence`), and at the end: `max_steps`, or
+    a time, FLOPs or GPU-seconds budget spent (it stops training there).
 
     timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
     generation engine (gathered first when sharded; ~0 for an unsharded model and an engine that reads it);
@@ -686,6 +709,7 @@ class _StepLog(TrainerCallback):
         self.memory: dict[str, float] = {}  # the GPUs' memory in use so far, the most on any rank (`gpu_memory/*`)
         self.train_s = 0.0  # training seconds so far (validation not counted): train/elapsed_s
         self.nonfinite_steps: Callable[[], int] = lambda: 0  # the trainer's count of dropped steps
+        self.cadence = _Cadence(algo, algo.val_every)
         self._step_start = time.perf_counter()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -714,7 +738,10 @@ class _StepLog(TrainerCallback):
         step = state.global_step
         out_of_time = self.budget_spent()
         last = step == state.max_steps or out_of_time
-        if step % self.setup.algorithm.val_every == 0 or last:
+        fraction = self.setup.algorithm.budget_fraction(
+            self.compute.flops, self.compute.gpu_s, self.train_s, step, state.max_steps
+        )
+        if agreed(self.cadence.due(step, fraction)) or last:
             start = time.perf_counter()
             self.val_metrics = self.validate(model, "final" if last else f"step{step}")
             self.val_metrics["timing_s/validation"] = time.perf_counter() - start

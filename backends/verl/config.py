@@ -116,6 +116,10 @@ def check_algorithm(algo: GRPO) -> None:
         )
     if algo.async_rollouts:
         raise ConfigError("algorithm.async_rollouts: backend=trl's; verl has its own off-policy recipes")
+    if algo.val_points is not None:
+        raise ConfigError(
+            f"algorithm.val_points={algo.val_points}: backend=trl's; verl validates every val_every steps (test_freq)"
+        )
 
 
 def check_shape(finetune: Full | LoRA, algo: GRPO, backend: Any) -> None:
