@@ -22,12 +22,14 @@ import math
 from pathlib import Path
 
 import pandas as pd
+from hydra import compose, initialize_config_dir
 
 from analysis.report import factor_keys, is_accuracy, run_table, study_of
 from analysis.runs import COMPLETED, load
 from analysis.verdicts import matching, pairs_of
 from foundation.stats import POWER, Components, plan, study_detectable, variance_components
-from foundation.study import METRICS, Declared
+from foundation.study import METRICS, Declared, Study
+from jobs.config import check_study
 
 SEEDS = (1, 2, 3, 4)  # seeds per warm start the plan considers
 UPPER = 0.8  # the confidence of the between-cluster variance's upper bound the cautious column plans on
@@ -68,11 +70,21 @@ def plan_lines(name: str, components: Components, mde: float, alpha: float, powe
     return [*lines, ""]
 
 
+def declared_by(experiment: str) -> Study:
+    """The analysis an experiment preset declares (the study being planned, whose pilot declared nothing)."""
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return check_study(compose("config", overrides=[f"experiment={experiment}"]).analysis)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(prog="python -m analysis.plan", description=__doc__.split("\n")[0])
     parser.add_argument("sources", nargs="+", help="the pilot's run or sweep directories")
     parser.add_argument("--mde", type=float, required=True, help="the effect to detect (points for accuracies)")
     parser.add_argument("--power", type=float, default=POWER, help="the power to detect it with")
+    parser.add_argument(
+        "--experiment", help="plan for this preset's declared comparisons (conf/experiment/; default: the pilot's own)"
+    )
     parser.add_argument("--treatment", nargs="*", default=[], help="key=value overrides of the treatment runs")
     parser.add_argument("--baseline", nargs="*", default=[], help="key=value overrides of the baseline runs")
     parser.add_argument("--out", type=Path, help="write plan.md here (default: print only)")
@@ -87,7 +99,7 @@ def main(argv: list[str] | None = None) -> str:
     runs = load(args.sources)
     if not runs:
         parser.error(f"no runs found under {' '.join(args.sources)}")
-    study = study_of(runs)
+    study = declared_by(args.experiment) if args.experiment else study_of(runs)
     if args.treatment or args.baseline:
         study = dataclasses.replace(study, comparisons=[Declared("given", args.treatment, args.baseline)])
     comparisons = study.comparisons
@@ -100,7 +112,8 @@ def main(argv: list[str] | None = None) -> str:
     scale = 100.0 if is_accuracy(metric) else 1.0
     alpha = study.alpha / len(comparisons)  # Holm's strictest step: a plan that holds for every comparison
     lines = [
-        f"# Study plan from a pilot ({', '.join(args.sources)})",
+        f"# Study plan from a pilot ({', '.join(args.sources)}"
+        + (f"; the comparisons experiment={args.experiment} declares)" if args.experiment else ")"),
         "",
         f"Metric `{metric}`; effect to detect {args.mde:g}{' points' if scale == 100 else ''} with "
         f"{args.power:.0%} power at alpha {study.alpha:g} / {len(comparisons)} comparisons = {alpha:.4f} "

@@ -12,7 +12,7 @@ from scipy import stats as scipy_stats
 
 from analysis import plan as plan_cli
 from foundation import stats
-from tests.test_report import DECLARED, HETEROGENEOUS, write_study
+from tests.test_report import DECLARED, HETEROGENEOUS, write_arm, write_study
 
 
 def test_holm_adjusts_step_down_and_keeps_the_order() -> None:
@@ -113,3 +113,20 @@ def test_the_plan_command_reads_a_pilot_and_writes_its_plan(tmp_path: Path) -> N
     assert "Pilot: 9 pairs in 3 clusters; mean difference +9.00; between-cluster sd 7.99 (80% upper bound " in text
 
     assert (tmp_path / "plan" / "plan.md").read_text().startswith("# Study plan from a pilot")
+
+
+def test_the_plan_takes_the_family_a_preset_declares(tmp_path: Path) -> None:
+    """A pilot that declared nothing, planned for experiment=learn-pool-gpu-v2's three comparisons (alpha / 3)."""
+    num = 0
+    for warm in range(3):
+        for i in range(2):
+            seed = 2 * warm + i
+            for arm, gain in (("sft_ceiling", 0.0), ("grpo", 0.05 + 0.01 * warm + 0.005 * i), ("rft", 0.02 * i)):
+                write_arm(tmp_path / "pilot" / str(num), arm, seed, 0.3 + gain, warm_seed=warm)
+                num += 1
+            write_arm(tmp_path / "pilot" / str(num), "sft_continue", seed, 0.25 + 0.01 * i, warm_seed=warm)
+            num += 1
+    text = plan_cli.main([str(tmp_path / "pilot"), "--mde", "5", "--experiment", "learn-pool-gpu-v2"])
+    assert "the comparisons experiment=learn-pool-gpu-v2 declares" in text and "0.05 / 3 comparisons" in text
+    for name in ("grpo_vs_gold_sft", "grpo_vs_rft", "grpo_vs_no_new_data"):
+        assert f"## {name}\n\nPilot: 6 pairs in 3 clusters" in text
