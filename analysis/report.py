@@ -45,6 +45,7 @@ from analysis.verdicts import (
     compare,
     declared,
     declared_keys,
+    estimate_of,
     look_note,
     unit_of,
     value_column,
@@ -186,16 +187,6 @@ def _fmt(value: float | None, metric: str, signed: bool = False) -> str:
     return f"{value * scale:{'+' if signed else ''}.{digits}f}"
 
 
-def cell_estimate(runs: pd.DataFrame, metric: str) -> Estimate:
-    """A cell's mean and 95% interval: over its clusters' means where runs share a cluster (seeds of one warm start
-    are not independent draws of the cell), else over its runs. `n` stays the runs that have the metric."""
-    known = runs[runs[metric].notna()]
-    if known.empty or known.cluster.isna().any() or known.cluster.is_unique:
-        return Estimate.of(known[metric])
-    means = Estimate.of(known.groupby("cluster")[metric].mean())
-    return Estimate(means.mean, means.half, len(known))
-
-
 def _fmt_estimate(e: Estimate, metric: str) -> str:
     if e.n == 0:
         return "n/a"
@@ -228,7 +219,7 @@ def cell_table(table: pd.DataFrame, factors: list[str], metric: str = "val_final
         row: dict[str, Any] = dict(zip(factors, cell, strict=True))
         row["seeds"] = f"{len(runs)}/{total}"
         for metric in ("val_initial", "val_final", "val_best", "test_final", "reward_final", *subsets):
-            estimate = cell_estimate(runs, metric)
+            estimate = estimate_of(runs, metric)
             row[metric] = _fmt_estimate(estimate, metric)
             if metric in subsets and 0 < estimate.n < len(runs):  # not every run logs subsets
                 row[metric] += f" (n={estimate.n})"
@@ -262,7 +253,7 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
             row: dict[str, Any] = dict(zip(others, context, strict=True))
             row[factor] = values[level]
             row["n"] = len(runs)
-            row[metric] = _fmt_estimate(cell_estimate(runs, metric), metric)
+            row[metric] = _fmt_estimate(estimate_of(runs, metric), metric)
             if level == levels[0]:
                 row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": "", "detectable Δ": ""}
             else:
@@ -365,7 +356,7 @@ def _verdict(
     c = compare(base, runs, metric, level, unit)
     if family > 1 and c.p is not None:
         c = dataclasses.replace(c, p=min(1.0, c.p * family))
-    verdict = Verdict(label, "exploratory", c, Estimate.of(runs[metric]), Estimate.of(base[metric]))
+    verdict = Verdict(label, "exploratory", c, estimate_of(runs, metric), estimate_of(base, metric))
     outcome = verdict.outcome
     if base[metric].isna().all() or runs[metric].isna().all():
         outcome = f"no verdict (an arm has no `{metric}`)"
@@ -507,7 +498,7 @@ def cost_figure(table: pd.DataFrame, factors: list[str], metric: str, path: Path
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
         x = runs[cost].mean() / per
-        e = cell_estimate(runs, metric)
+        e = estimate_of(runs, metric)
         ax.errorbar(
             [x], [e.mean * scale], yerr=[(e.half or 0) * scale], fmt="o", capsize=4, label=_label(factors, cell)
         )

@@ -6,9 +6,10 @@ and recorded before the main study runs.
 The tuning runs sweep each arm (`algorithm=...`) over a grid (for example `algorithm.learning_rate=3e-5,1e-4,3e-4`
 for the arms that sample, `algorithm.sft_learning_rate=...` for the SFT arms: each arm's own learning rate, over the
 same values). Per arm, every setting's validation score is averaged over its runs (seeds, warm starts) and the best
-one is chosen (an exact tie keeps the setting the sweep ran first). Runs that scored the test split are refused: tuning on test would leave no held-out verdict. Writes
-`tuning.md` (each arm's grid with mean ± 95% CI, the choice, and whether it is beyond noise of the runner-up) and
-`tuning.json` (per arm, the overrides the main study passes).
+one is chosen (an exact tie keeps the setting the sweep ran first). Runs that scored the test split are refused:
+tuning on test would leave no held-out verdict. Writes `tuning.md` (each arm's grid with mean ± 95% CI, the choice,
+whether it is beyond noise of the runner-up and whether it sits at the grid's edge) and `tuning.json` (per arm, the
+overrides the main study passes).
 """
 
 from __future__ import annotations

@@ -88,6 +88,16 @@ def compare(
     return welch(a[metric], b[metric], level)
 
 
+def estimate_of(runs: pd.DataFrame, metric: str) -> Estimate:
+    """A group's mean and 95% interval: over its clusters' means where runs share a cluster (seeds of one warm start
+    are not independent draws), else over its runs. `n` stays the runs that have the metric."""
+    known = runs[runs[metric].notna()]
+    if known.empty or known.cluster.isna().any() or known.cluster.is_unique:
+        return Estimate.of(known[metric])
+    means = Estimate.of(known.groupby("cluster")[metric].mean())
+    return Estimate(means.mean, means.half, len(known))
+
+
 def value_column(key: str) -> str:
     """The run table's column holding `key`'s value for matching declarations (factors have their own)."""
     return f"value:{key}"
@@ -189,8 +199,8 @@ def declared(table: pd.DataFrame, study: Study, metric: str) -> list[Verdict]:
                 declaration.name,
                 declaration.role,
                 comparison,
-                Estimate.of(treated[metric]),
-                Estimate.of(base[metric]),
+                estimate_of(treated, metric),
+                estimate_of(base, metric),
                 alpha=study.alpha,
                 bootstrap=_bootstrap(base, treated, metric),
             )
