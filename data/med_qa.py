@@ -25,7 +25,7 @@ import random
 import shutil
 import sqlite3
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -359,6 +359,19 @@ class MedQAData:
         if self.generate is not None:
             generate(self.data_dir, **self.generate)
         return Path(self.data_dir)
+
+    def missing_files(self, splits: Iterable[str]) -> list[str]:
+        """The parquet files of the phases `splits` (train, val, test) that `data_dir` lacks, one line each; nothing
+        for a generated set (written on first use)."""
+        if self.generate is not None:
+            return []
+        files = {"train": self.train_split, "val": self.val_split, "test": self.test_split}
+        return [
+            f"data.data_dir={self.data_dir} holds no {split} split: data.{split}_split={files[split]} looks for "
+            f"{files[split]}.parquet"
+            for split in splits
+            if files.get(split) and not (Path(self.data_dir) / f"{files[split]}.parquet").is_file()
+        ]
 
     def metric(self) -> AnswerMatch:
         """The answer mentions every value the gold SQL returned."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,6 +37,17 @@ SPLIT_FILES = {
 }
 
 
+def split_path(spider_dir: str | Path, split: str) -> Path | None:
+    """The file that holds `split` (`train`, `dev`, `test`, or a file name) in `spider_dir`, or None."""
+    root = Path(spider_dir)
+    return next((p for p in (root / name for name in SPLIT_FILES.get(split, (split,))) if p.is_file()), None)
+
+
+def split_names(split: str) -> str:
+    """The file names looked for, as messages list them."""
+    return " or ".join(SPLIT_FILES.get(split, (split,)))
+
+
 def load_split(spider_dir: str | Path, split: str, subset_field: str | None = None) -> list[dict[str, Any]]:
     """Tasks of one split: `id`, `question`, `db_id`, `query` (gold), `db_path` and `kind` (database and SQL
     skeleton); and `subset`, the record's `subset_field` as text, where it has one (accuracy is reported per subset).
@@ -43,10 +55,10 @@ def load_split(spider_dir: str | Path, split: str, subset_field: str | None = No
     `split` is `train`, `dev`, or a file name inside `spider_dir`.
     """
     root = Path(spider_dir)
-    candidates = [root / name for name in SPLIT_FILES.get(split, (split,))]
-    path = next((p for p in candidates if p.is_file()), None)
+    path = split_path(root, split)
     if path is None:
-        raise FileNotFoundError(f"no {split} split in {root}: looked for {', '.join(p.name for p in candidates)}")
+        names = ", ".join(SPLIT_FILES.get(split, (split,)))
+        raise FileNotFoundError(f"no {split} split in {root}: looked for {names}")
     if path.suffix == ".parquet":
         records = pd.read_parquet(path).to_dict(orient="records")
     else:
@@ -129,8 +141,49 @@ class SpiderData:
     def train_tasks(self) -> list[dict[str, Any]]:
         return self._carved()[0]
 
+    def missing_files(self, splits: Iterable[str]) -> list[str]:
+        """What the phases `splits` (train, val, test) need that `spider_dir` lacks, one line each naming the key to
+        set; nothing for a generated set (written on first use). The preflight asks it before anything loads."""
+        if self.generate is not None:
+            return []
+        root, key = Path(self.spider_dir or ""), f"data.spider_dir={self.spider_dir}"
+        wanted = list(splits)
+        files = {"train": self.train_split, "val": self.val_split, "test": self.test_split}
+        if "val" in wanted and self.val_split is None:  # carved from train
+            wanted = ["train", *wanted]
+        problems = []
+        if "train" in wanted and split_path(root, self.train_split) is None:
+            problems.append(self._no_train() if wanted == ["train", "val"] else self._no_split("train", key))
+        for split in dict.fromkeys(s for s in wanted if s != "train"):
+            if files.get(split) is not None and split_path(root, str(files[split])) is None:
+                problems.append(self._no_split(split, key))
+        if not (root / "database").is_dir():
+            problems.append(f"{key} holds no database/ folder (Spider's database/<db_id>/<db_id>.sqlite)")
+        return problems
+
+    def _no_split(self, split: str, key: str) -> str:
+        name = {"train": self.train_split, "val": self.val_split, "test": self.test_split}[split]
+        return f"{key} holds no {split} split: data.{split}_split={name} looks for {split_names(str(name))}"
+
+    def _no_train(self) -> str:
+        """Validation asked of a folder without train's file: Spider's validation is carved from train, and its dev
+        set is the test split here."""
+        message = (
+            f"data.spider_dir={self.spider_dir} holds no train split ({split_names(self.train_split)}), and "
+            f"validation is carved from train (data.val_from_train={self.val_from_train})"
+        )
+        test_file = split_path(self.spider_dir or "", self.test_split) if self.test_split else None
+        if test_file is not None:
+            message += (
+                f"; Spider's dev set ({test_file.name}) is the test split here (data.test_split={self.test_split}): "
+                "job.split=test evaluates it"
+            )
+        return message
+
     def val_tasks(self) -> list[dict[str, Any]]:
         if self.val_split is None:
+            if split_path(self.prepare(), self.train_split) is None:
+                raise FileNotFoundError(self._no_train())
             tasks = self._carved()[1]
         else:
             tasks = self._checked(load_split(self.prepare(), self.val_split, self.val_subset_field), self.val_split)
