@@ -27,6 +27,7 @@ from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import number
 from jobs.config import build_components
+from jobs.preflight import probes, run_probes, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALE_BACKENDS = ("verl",)
@@ -176,26 +177,18 @@ def disk_rows(cfg: DictConfig, min_free_gb: float) -> list[Row]:
     return [_row("disk (checkpoints)", True, free >= min_free_gb, f"{free:.0f} GiB free at {existing}", fix)]
 
 
-def model_rows(cfg: DictConfig, backend: str) -> list[Row]:
-    """The weights the trainer loads (backend=dev talks to conf/endpoint's model instead)."""
-    model, trains = cfg.model, backend != "dev"
-    if model.get("path"):
-        ok = Path(model.path).exists()
-        fix = f"model.path={model.path} does not exist: download it (hf download {model.hub_id} --local-dir DIR)"
-        return [_row("model", trains, ok, model.path, fix)]
-    if not model.get("hub_id"):
-        return [Row("model", "ok", f"model={model.name}: built on first use")]
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    from huggingface_hub import try_to_load_from_cache
+def needs_rows(cfg: DictConfig) -> list[Row]:
+    """What a training run of this config needs from outside itself, as every run's preflight checks it
+    (jobs/preflight.py): the model's weights, the servers its rewards ask, the data's files, a warm start's path;
+    SLURM's commands with hydra/launcher=slurm."""
+    from hydra.core.hydra_config import HydraConfig
 
-    cached = isinstance(try_to_load_from_cache(model.hub_id, "config.json"), str)
-    value = f"{model.hub_id}: {'in the hub cache' if cached else 'not in the hub cache'}"
-    fix = f"HF_HUB_OFFLINE=1 and {model.hub_id} is not cached: hf download {model.hub_id}, or set model.path"
-    return [
-        _row(
-            "model", trains and offline, cached, value + ("" if cached or offline else ", downloaded on first use"), fix
-        )
-    ]
+    launcher = str(HydraConfig.get().launcher.get("_target_", "")) if HydraConfig.initialized() else None
+    found = run_probes(probes(cfg, settings(), job="train", launcher=launcher), settings().deadline_s(True))
+    rows = [Row(f.check, "ok" if f.ok else "FAIL", f.value, f.fix) for f in found]
+    if not any(r.check == "model" for r in rows):
+        rows.insert(0, Row("model", "ok", f"model={cfg.model.name}: built on first use"))
+    return rows
 
 
 def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
@@ -223,7 +216,7 @@ def preflight(cfg: DictConfig) -> list[Row]:
         *cluster_rows(cfg, backend),
         *wandb_rows(cfg, backend),
         *disk_rows(cfg, float(cfg.job.min_free_gb)),
-        *model_rows(cfg, backend),
+        *needs_rows(cfg),
         *config_rows(cfg, backend),
     ]
 

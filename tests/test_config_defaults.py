@@ -19,9 +19,9 @@ The rule, per dataclass (an option's `_schema_`, else its `_target_` when that i
 - Values are compared as composed (`<group>=<option>`, everything else at its default) and resolved. An interpolation
   that reads the machine or the run (`oc.env`, `hydra:`, `now:`, directly or through another key, like every
   `${paths.cache_dir}/...`) is skipped: its value differs per machine and run, so no default can equal it.
-- Beside the groups: conf/config.yaml's `seed` and `resources` against RunSettings, and conf/hydra/launcher/slurm.yaml
-  against the keys SlurmConf declares itself (the keys it inherits are hydra-submitit-launcher's, whose defaults the
-  YAML overrides on purpose).
+- Beside the groups: conf/config.yaml's `seed` and `resources` against RunSettings, its `hydra.callbacks.preflight`
+  against Preflight (jobs/preflight.py), and conf/hydra/launcher/slurm.yaml against the keys SlurmConf declares
+  itself (the keys it inherits are hydra-submitit-launcher's, whose defaults the YAML overrides on purpose).
 
 Comments. Every leaf key of conf/**/*.yaml (a `key: value` line whose value is a scalar, a flow list or map, a block
 scalar or a block list; not a key holding a nested mapping) has a trailing `# ...` comment or a comment line directly
@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydra_plugins.arl_launchers.config import SlurmConf
 from jobs.config import HYDRA_KEYS, RunSettings
+from jobs.preflight import Preflight
 from tests.conftest import ROOT
 from tests.test_config import CONF, compose_with, options
 
@@ -128,6 +129,7 @@ def sources() -> dict[type, list[tuple[str, dict[str, Any]]]]:
     found[RunSettings].append(("conf/config.yaml", written(top, top, {"seed"})))
     resources = next(f.default_factory for f in dataclasses.fields(RunSettings) if f.name == "resources")
     found[resources].append(("conf/config.yaml", written(top, top.resources)))
+    found[Preflight].append(("conf/config.yaml", written(top, top.hydra.callbacks.preflight)))
     slurm = compose_with("hydra/launcher=slurm")
     own = {f.name for f in dataclasses.fields(SlurmConf)} - {f.name for f in dataclasses.fields(SlurmQueueConf)}
     found[SlurmConf].append(("conf/hydra/launcher/slurm.yaml", written(slurm, slurm.hydra.launcher, own)))
@@ -173,6 +175,7 @@ def test_the_walk_finds_every_schema() -> None:
     assert names >= {"GRPO", "RFT", "SFTControl", "SFTWarmstart", "SpiderSQLAgent", "MedSQLAgent", "DBBenchAgent"}
     assert names >= {"SpiderData", "MedQAData", "DBBenchData", "HubModel", "TinyModel", "VerlBackend"}
     assert names >= {"TRLBackend", "DPOJob", "RewardModelTrainJob", "Hybrid", "RunSettings", "Resources", "SlurmConf"}
+    assert "Preflight" in names
     assert len(next(s for c, s in sources().items() if c.__name__ == "HubModel")) == 4
 
 
