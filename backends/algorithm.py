@@ -34,6 +34,7 @@ class GRPO:
     epochs: float = number(2.0, gt=0)
     max_steps: int = number(-1, ge=-1)  # -1: as many as `epochs` make
     save_every: int = number(64, gt=0)
+    keep_checkpoints: int = number(1, ge=1)  # complete checkpoints kept; the oldest goes once a newer one is complete
     val_every: int = number(16, gt=0)
     # validate each time another 1/val_points of the run's budget is spent (its FLOPs, GPU-seconds or training
     # seconds; max_steps without one), and at the end: every arm of a study at the same points of its compute, so

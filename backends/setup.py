@@ -27,3 +27,5 @@ class TrainSetup:
     # the composed configs of agent, reward and model (resolved): what builds them again in other processes (verl's
     # agent-loop workers)
     groups: dict[str, dict[str, Any]]
+    # the disk plan made before the run started (backends/disk.py; backend=trl): what each save is checked against
+    disk_plan: dict[str, Any] | None = None

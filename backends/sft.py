@@ -142,6 +142,11 @@ class SFTWarmstart:
             )
         return demos
 
+    @property
+    def writes_into_run(self) -> bool:
+        """Whether its checkpoint goes into the run's own `checkpoints/sft` (neither loaded from `path` nor shared)."""
+        return self.path is None and not self.shared
+
     def checkpoint_dir(
         self,
         run_checkpoints: Path,

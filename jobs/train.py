@@ -21,12 +21,13 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     if cfg.backend.name == "trl":
         parts["backend"].check(processes(cfg), parts["algorithm"])
     plan = None if started_by_launcher() else memory_plan(cfg, parts)  # before any model loads or rank starts
-    planned = {} if plan is None else {"memory_plan": plan}
+    disk = disk_plan(cfg, parts, run_dir)  # every rank: each save is checked against it
+    planned = ({} if plan is None else {"memory_plan": plan}) | ({} if disk is None else {"disk_plan": disk})
     # backend=trl's ranks are started here; verl places its own workers on `resources` (Ray)
     if cfg.backend.name == "trl" and processes(cfg) > 1 and not started_by_launcher():
         parts["algorithm"].per_rank(processes(cfg))  # the ranks can share the step's batch
         return summarize(launch_ranks(cfg, run_dir), run_dir) | planned
-    setup = train_setup(cfg, parts, run_dir)
+    setup = train_setup(cfg, parts, run_dir, disk)
     return summarize(parts["backend"].train(setup), run_dir) | planned
 
 
@@ -43,6 +44,7 @@ def train_setup(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> Trai
         seed=cfg.seed,
         run=run_dir,
         groups={k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("agent", "reward", "model")},  # type: ignore[misc]
+        disk_plan=disk_plan,
     )
 
 
@@ -58,6 +60,20 @@ def memory_plan(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, Any] | None
         return None
     plan = backend.memory_plan(parts["model"], parts["finetune"], parts["algorithm"], processes(cfg), capacity)
     print(plan["text"], flush=True)
+    return plan
+
+
+def disk_plan(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> dict[str, Any] | None:
+    """backend=trl: the disk plan under the run's checkpoints (backends/disk.py), printed by the process that starts
+    the run; a plan that does not fit stops the run here (ConfigError), before any model loads. None for verl (its
+    checkpoints are its own)."""
+    if cfg.backend.name != "trl":
+        return None
+    backend, ranks, warm = parts["backend"], processes(cfg), parts["warmstart"]
+    here = warm is not None and warm.writes_into_run
+    plan = backend.disk_plan(parts["model"], parts["finetune"], parts["algorithm"], ranks, run_dir.checkpoints, here)
+    if not started_by_launcher():
+        print(plan["text"], flush=True)
     return plan
 
 

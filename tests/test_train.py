@@ -26,6 +26,7 @@ def test_grpo_writes_metrics_and_checkpoints_and_resumes(cache_dir: Path, tmp_pa
     run_dir = tmp_path / "run"
     # Qwen3's template (thinking on): the check step's user turns follow replies, token in, token out
     args = [*FAST_RUN, "model.chat_template=qwen3", "algorithm.max_steps=3", f"hydra.run.dir={run_dir}"]
+    args += ["algorithm.keep_checkpoints=3"]  # every step's, for the crash below (the default keeps the last one)
     result = launch(args, cache_dir, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"run directory: {run_dir}" in result.stdout

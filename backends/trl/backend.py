@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from trl import GRPOConfig
 
 from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
+from backends.disk import DiskFull, DiskSetting, check_before_save, check_plan, plan_disk
 from backends.memory import DeviceMemory, Setting, Shape, explain, plan_memory
 from backends.progress import show_progress
 from backends.setup import TrainSetup
@@ -76,6 +78,7 @@ class TRLBackend:
     vllm_own_process: bool = False  # vLLM's engine core in a process of its own (weights over CUDA IPC); one rank
     offload: str = one_of("none", OFFLOADS)  # trainer state on CPU: none, optimizer (while generating), all (FSDP2)
     memory_check: bool = True  # stop before the run starts when the memory plan does not fit the GPUs (false: warn)
+    disk_check: bool = True  # stop before the run starts when the disk plan does not fit under the run (false: warn)
 
     def __post_init__(self) -> None:
         self._engine: Engine | None = None
@@ -132,6 +135,30 @@ class TRLBackend:
         plan["text"] = explain(plan, setting)
         if not plan["fits"] and self.memory_check:
             raise ConfigError(f"{plan['text']}\n(backend.memory_check=false runs it anyway)")
+        return plan
+
+    def disk_plan(
+        self, model: Any, finetune: Any, algo: GRPO, ranks: int, checkpoints: Path, warm_start: bool
+    ) -> dict[str, Any]:
+        """The disk plan of this run under `checkpoints` (backends/disk.py; `warm_start`: one is trained into the
+        run), with its words in `text`; raises
+        ConfigError naming the keys that shrink it when its peak does not fit the free space (unless
+        `disk_check=false`)."""
+        full = finetune.peft_config() is None
+        shape = Shape.of(
+            model.architecture(), None if full else finetune.rank, None if full else finetune.target_modules
+        )
+        device = "cuda" if self.resolved_device().startswith("cuda") else "cpu"
+        setting = DiskSetting(
+            full=full,
+            ranks=ranks,
+            sharded=ranks > 1 and self.sharding == "fsdp2",
+            weight_bytes=model.compute_dtype(device).itemsize,
+            keep=algo.keep_checkpoints,
+            warm_start=warm_start,
+        )
+        plan = plan_disk(shape, setting)
+        plan["text"] = check_plan(plan, checkpoints, setting, self.disk_check)
         return plan
 
     def check(self, ranks: int, algo: GRPO) -> None:
@@ -282,7 +309,8 @@ class TRLBackend:
             results["peak_gpu_memory_gb_per_rank"] = [m["peak_gb"] for m in measured]
             results["gpu_memory_per_rank"] = measured
         run.phase = "saving the final model"
-        save_final(trainer, run.checkpoints / "final", compute_dtype)
+        final_bytes = None if setup.disk_plan is None else setup.disk_plan["final_bytes"]
+        save_final(trainer, run.checkpoints / "final", compute_dtype, final_bytes)
         if is_main():
             tokenizer.save_pretrained(str(run.checkpoints / "final"))
         return results
@@ -335,6 +363,7 @@ class TRLBackend:
             is_cap=algo.is_cap,
             accept_reward=algo.accept_reward if isinstance(algo, RFT) else None,
             lookahead=overlap,  # the next step's prompts, for the rollouts generated during this step's update
+            checkpoint_bytes=None if setup.disk_plan is None else setup.disk_plan["checkpoint_bytes_per_rank"],
         )
         step_log.phase_s = trainer.phase_s
         validation.trainer = trainer
@@ -519,6 +548,7 @@ class TRLBackend:
             max_grad_norm=algo.max_grad_norm,
             save_strategy="steps",
             save_steps=algo.save_every,
+            save_total_limit=algo.keep_checkpoints,
             logging_steps=1,
             report_to=[],
             bf16=device.startswith("cuda"),
@@ -566,20 +596,42 @@ def write_splits(
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
 
 
-def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype) -> None:
-    """The trained model as a Hugging Face checkpoint (a LoRA run: its adapter), written by rank 0. Sharded (FSDP2):
-    every rank takes part in gathering the full weights to rank 0's CPU first; the fp32 master weights are written
-    in `dtype`, the model's as loaded, as an unsharded run writes them. Every rank returns only once rank 0 has
-    written it: a rank whose part of the gather was still queued on its GPU when it went on to exit left rank 0
-    waiting in the gather forever (seen on 2 H100s, 3 runs in 5)."""
-    if not is_sharded(trainer.model):
-        trainer.save_model(str(path))  # rank 0 writes
-        return
-    state_dict = trainer.accelerator.get_state_dict(trainer.model)  # a collective
+def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype, needed: int | None = None) -> None:
+    """The trained model as a Hugging Face checkpoint (safetensors shards; a LoRA run: its adapter), written by rank 0
+    into `<path>.partial` and renamed to `path` once complete (a run's earlier final model, if any, is replaced only
+    then): refused before a byte is written when the disk cannot hold `needed` bytes, and on a failure midway its
+    partial files removed, the last checkpoint untouched. Sharded (FSDP2): every rank takes part in gathering the
+    full weights to rank 0's CPU first; the fp32 master weights are written in `dtype`, the model's as loaded, as an
+    unsharded run writes them. Every rank returns only once rank 0 has written it: a rank whose part of the gather
+    was still queued on its GPU when it went on to exit left rank 0 waiting in the gather forever (seen on 2 H100s,
+    3 runs in 5)."""
+    staging = path.with_name(path.name + ".partial")
     if is_main():
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(path), state_dict=state_dict)
-    trainer.accelerator.wait_for_everyone()  # a collective after the gather's: done on every rank when it returns
+        shutil.rmtree(staging, ignore_errors=True)  # a crash's leftover
+        if needed is not None:
+            previous = last_complete_checkpoint(path.parent)
+            check_before_save(path, needed, previous and Path(previous).name)
+    sharded = is_sharded(trainer.model)
+    try:
+        if not sharded:
+            trainer.save_model(str(staging))  # rank 0 writes
+        else:
+            state_dict = trainer.accelerator.get_state_dict(trainer.model)  # a collective
+            if is_main():
+                state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+                trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(staging), state_dict=state_dict)
+    except (OSError, RuntimeError) as exc:
+        if is_main():
+            shutil.rmtree(staging, ignore_errors=True)
+        raise DiskFull(
+            f"saving the final model failed ({exc}): its partial files removed; the last checkpoint is intact, and "
+            "running the same command again writes the final model from it"
+        ) from exc
+    if is_main():
+        shutil.rmtree(path, ignore_errors=True)
+        staging.rename(path)
+    if sharded:
+        trainer.accelerator.wait_for_everyone()  # after the gather and the rename: done on every rank when it returns
 
 
 def gpu_memory_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:

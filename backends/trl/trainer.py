@@ -37,17 +37,21 @@ and `update` (forward, backward and optimizer over the step's micro-batches, gen
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from backends.disk import DiskFull, check_before_save
 from backends.trl.fsdp import shard_on_cpu
+from foundation.run_dir import last_complete_checkpoint
 
 
 @dataclass
@@ -160,9 +164,11 @@ class AgentGRPOTrainer(GRPOTrainer):
         is_cap: float = 2.0,
         accept_reward: float | None = None,
         lookahead: bool = False,
+        checkpoint_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.checkpoint_bytes = checkpoint_bytes  # what one rank writes a checkpoint (backends/disk.py's plan)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
         self.budget_spent: Callable[[], bool] = lambda: False  # the run's time or FLOPs budget (a collective)
         one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
@@ -181,6 +187,25 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._is_stats: ISStats | None = None  # this step's `sampling/*` sums, while its micro-batches train
         self._loss_inputs: dict[str, Any] | None = None  # the micro-batch whose loss forward comes next
         self.nonfinite_steps = 0  # optimizer steps dropped for a gradient norm that is not finite
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, refused before a byte is written when the disk cannot hold it (`checkpoint_bytes`),
+        and on a failure midway (a full disk, an I/O error) its partial files removed: the previous checkpoint stays
+        the latest complete one, resumable. The oldest is deleted (`save_total_limit`) only once the new one is
+        complete."""
+        folder = Path(self.args.output_dir) / f"checkpoint-{self.state.global_step}"
+        previous = last_complete_checkpoint(Path(self.args.output_dir))
+        if self.checkpoint_bytes is not None:
+            check_before_save(folder, self.checkpoint_bytes, previous and Path(previous).name)
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as exc:
+            if self.args.should_save:  # the process that writes the Trainer's files removes the partial ones
+                shutil.rmtree(folder, ignore_errors=True)
+            kept = (
+                f"{Path(previous).name} is the latest complete checkpoint, resumable" if previous else "no earlier one"
+            )
+            raise DiskFull(f"saving {folder.name} failed ({exc}): its partial files removed; {kept}") from exc
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
