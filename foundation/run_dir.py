@@ -137,10 +137,14 @@ class RunDir:
 
 
 RUN_CONFIG = "run_config.json"
-# What may change between the starts of one run: where it writes and caches, what it logs to, and when it stops.
+# What may change between the starts of one run: where it writes and caches, what it logs to, when it stops, validates
+# and which checkpoints it keeps, and how a study judges it (`analysis`).
 MAY_CHANGE = (
     "paths.",
     "logger.",
+    "analysis.",
+    "algorithm.val_points",
+    "algorithm.keep_checkpoints",
     "algorithm.max_steps",
     "algorithm.epochs",
     "algorithm.time_budget_s",

@@ -35,6 +35,13 @@ def test_when_a_run_stops_and_where_it_writes_may_change(tmp_path: Path) -> None
     assert json.loads((run.path / RUN_CONFIG).read_text()) == extended  # the latest start's
 
 
+def test_a_run_begun_before_validation_points_kept_checkpoints_and_declarations_starts_again(tmp_path: Path) -> None:
+    run = RunDir(tmp_path / "run")
+    run.check_same_run(config())
+    later = config(val_points=4, keep_checkpoints=1) | {"analysis": {"metric": "test_final", "comparisons": []}}
+    run.check_same_run(later)
+
+
 @pytest.mark.parametrize(
     ("changed", "named"),
     [
