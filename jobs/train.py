@@ -31,8 +31,11 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     return summarize(parts["backend"].train(setup), run_dir) | planned
 
 
-def train_setup(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> TrainSetup:
-    """What a backend receives: the built components, the seed, the run directory and the groups' configs."""
+def train_setup(
+    cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir, disk: dict[str, Any] | None = None
+) -> TrainSetup:
+    """What a backend receives: the built components, the seed, the run directory, the groups' configs and the disk
+    plan (`disk`: backend=trl's, what each save is checked against)."""
     return TrainSetup(
         model=parts["model"],
         finetune=parts["finetune"],
@@ -44,7 +47,7 @@ def train_setup(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> Trai
         seed=cfg.seed,
         run=run_dir,
         groups={k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("agent", "reward", "model")},  # type: ignore[misc]
-        disk_plan=disk_plan,
+        disk_plan=disk,
     )
 
 
