@@ -13,7 +13,8 @@ The final model (`checkpoints/final`): b x N (the full model, safetensors shards
 adapters (LoRA); a warm start trained into the run (`checkpoints/sft`), b x N. The estimate errs high (the tiny
 model's vocabulary is planned at its largest: 16.0 MB planned for a 13.6 MB checkpoint). `algorithm.keep_checkpoints`
 complete checkpoints are kept; a new one is written beside them and the oldest deleted only once it is complete, so
-the peak is keep + 1 checkpoints, or keep and the final model (and the warm start, where the run holds one).
+the peak is keep + 1 checkpoints, or keep and the final model (and the warm start, where the run holds one); a start
+that writes fewer (one save in all: `max_steps` <= `save_every`) or holds fewer needs room for what it writes.
 
 `check_plan` refuses a run whose peak does not fit the free space under its run directory (what it already holds
 counts as used), naming the bytes needed and free and the keys that shrink it; `check_before_save` refuses a save
@@ -45,6 +46,8 @@ class DiskSetting:
     weight_bytes: int  # bytes a weight in the model's dtype (2 for bf16, 4 for fp32)
     keep: int  # algorithm.keep_checkpoints
     warm_start: bool = False  # a warm start trained into the run (checkpoints/sft: not shared, not warmstart.path)
+    saves: int | None = None  # checkpoints this start writes (every save_every steps and at its end); None: unknown
+    existing: int = 0  # complete checkpoints the run already holds (a resumed run's)
 
 
 def plan_disk(shape: Shape, setting: DiskSetting) -> dict[str, Any]:
@@ -60,7 +63,10 @@ def plan_disk(shape: Shape, setting: DiskSetting) -> dict[str, Any]:
     checkpoint += SMALL_BYTES * setting.ranks
     final += SMALL_BYTES
     warm = (b * p + SMALL_BYTES) if setting.warm_start else 0
-    peak = (max((setting.keep + 1) * checkpoint, setting.keep * checkpoint + final) + warm) * MARGIN
+    # at a save: the kept ones and the new one beside them; at the end: the kept ones and the final model
+    at_once = setting.keep + 1 if setting.saves is None else min(setting.keep + 1, setting.existing + setting.saves)
+    kept = min(setting.keep, at_once)
+    peak = (max(at_once * checkpoint, kept * checkpoint + final) + warm) * MARGIN
     return {
         "checkpoint_bytes": int(checkpoint),
         "checkpoint_bytes_per_rank": int(checkpoint / setting.ranks) if setting.sharded else int(checkpoint),

@@ -171,14 +171,19 @@ def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-def last_complete_checkpoint(folder: Path) -> str | None:
-    """The latest `checkpoint-<step>` in `folder` that the trainer finished writing: `trainer_state.json` is written
+def complete_checkpoints(folder: Path) -> dict[int, Path]:
+    """step -> `checkpoint-<step>` in `folder` that the trainer finished writing: `trainer_state.json` is written
     last, and a job killed while saving (preemption, requeue) leaves a partial one."""
-    steps = {
+    return {
         int(p.name.split("-")[1]): p
         for p in folder.glob("checkpoint-*")
         if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").is_file()
     }
+
+
+def last_complete_checkpoint(folder: Path) -> str | None:
+    """The latest complete `checkpoint-<step>` in `folder` (`complete_checkpoints`)."""
+    steps = complete_checkpoints(folder)
     return str(steps[max(steps)]) if steps else None
 
 

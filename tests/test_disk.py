@@ -18,7 +18,7 @@ from backends import disk
 from backends.algorithm import GRPO
 from backends.disk import DiskFull, DiskSetting, plan_disk
 from backends.memory import Shape
-from backends.trl.backend import TRLBackend, _passthrough_reward, save_final
+from backends.trl.backend import TRLBackend, _passthrough_reward, save_final, saves_ahead
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir, last_complete_checkpoint
@@ -41,6 +41,38 @@ def test_the_plan_counts_weights_optimizer_and_the_final_model_per_mode() -> Non
     assert sharded["peak_bytes"] == int(3 * sharded["checkpoint_bytes"] * disk.MARGIN)  # 2 kept + 1 being written
     lora = plan_disk(shape, DiskSetting(full=False, ranks=1, sharded=False, weight_bytes=2, keep=1))
     assert (lora["checkpoint_bytes"], lora["final_bytes"]) == (12 * 50 + small, 4 * 50 + small)
+
+
+def test_a_start_that_writes_one_checkpoint_needs_room_for_one() -> None:
+    """7B full on two ranks (12 bytes a parameter a checkpoint): two steps saved once fit beside the final model; a
+    resumed start that saves again needs the kept checkpoint and the new one side by side."""
+    shape = Shape(parameters=7_600_000_000, layers=28, hidden=3584, intermediate=18944, vocab=152064,
+                  embedding_parameters=1_090_000_000, adapter_parameters=0)  # fmt: skip
+    setting = DiskSetting(full=True, ranks=2, sharded=True, weight_bytes=2, keep=1, saves=1, existing=0)
+    first = plan_disk(shape, setting)
+    assert first["peak_bytes"] == int((first["checkpoint_bytes"] + first["final_bytes"]) * disk.MARGIN)
+    assert 100e9 < first["peak_bytes"] < 126e9  # fits a 126 GB disk
+    resumed = plan_disk(shape, DiskSetting(full=True, ranks=2, sharded=True, weight_bytes=2, keep=1, saves=1,
+                                           existing=1))  # fmt: skip
+    assert resumed["peak_bytes"] == int(2 * resumed["checkpoint_bytes"] * disk.MARGIN) > 180e9
+
+
+@pytest.mark.parametrize(
+    ("algo", "done", "saves"),
+    [
+        (GRPO(max_steps=3, save_every=1), 0, 3),
+        (GRPO(max_steps=2, save_every=64), 0, 1),  # the last step's
+        (GRPO(max_steps=3, save_every=2), 2, 1),  # resumed at 2: step 3's
+        (GRPO(max_steps=10, flops_budget=1e12), 0, None),  # a budget may end it anywhere
+    ],
+)
+def test_the_saves_a_start_writes_are_counted_from_where_it_resumes(
+    tmp_path: Path, algo: GRPO, done: int, saves: int | None
+) -> None:
+    if done:
+        (tmp_path / f"checkpoint-{done}").mkdir()
+        (tmp_path / f"checkpoint-{done}" / "trainer_state.json").write_text("{}")
+    assert saves_ahead(algo, tmp_path) == saves
 
 
 def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_any_model_loads(

@@ -49,7 +49,7 @@ from data.splits import KIND, kind_distance
 from foundation.errors import ConfigError
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.ranks import is_main, local_rank, started_by_launcher, world_size
-from foundation.run_dir import last_complete_checkpoint
+from foundation.run_dir import complete_checkpoints, last_complete_checkpoint
 from foundation.schema import number, one_of
 from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm, resolve_engine
 from inference.policy_server import PolicyServer
@@ -156,6 +156,8 @@ class TRLBackend:
             weight_bytes=model.compute_dtype(device).itemsize,
             keep=algo.keep_checkpoints,
             warm_start=warm_start,
+            saves=saves_ahead(algo, checkpoints),
+            existing=len(complete_checkpoints(checkpoints)),
         )
         plan = plan_disk(shape, setting)
         plan["text"] = check_plan(plan, checkpoints, setting, self.disk_check)
@@ -566,6 +568,18 @@ class TRLBackend:
 
 
 _UNBOUNDED_STEPS = 10**9  # the control's steps when its time budget ends it
+
+
+def saves_ahead(algo: GRPO, checkpoints: Path) -> int | None:
+    """Checkpoints this start writes: one every `save_every` steps and one at its last step (the Trainer's), from
+    the step it resumes at; None where its last step is not known ahead (a budget, or epochs)."""
+    if isinstance(algo, SFTControl):
+        return 0  # the SFT arms write their final model only
+    if algo.budgeted or algo.max_steps <= 0:
+        return None
+    done = max(complete_checkpoints(checkpoints), default=0)
+    steps = range(done + 1, algo.max_steps + 1)
+    return sum(1 for s in steps if s % algo.save_every == 0 or s == algo.max_steps)
 
 
 def trains_on_pool(algo: GRPO) -> bool:
