@@ -2,19 +2,25 @@
 
     python -m analysis.report outputs/sweeps/<time> [more dirs | wandb:entity/project[/group]] [--out DIR]
 
-Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths); a cell
-is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95% confidence interval
-over seeds (t distribution, n - 1 degrees of freedom). Per factor: each cell against the baseline cell (the factor's
-first value, the others held fixed), the difference with its 95% CI (Welch's t) and a flag saying whether the
-difference is within noise (the CI contains 0). Failed, unfinished and not-started runs are listed, never averaged.
+Declared comparisons first: the runs' `analysis` block (foundation/study.py, declared by a preset before the runs)
+names the comparisons of one family; each is tested at the level of the independent unit (analysis/verdicts.py
+`compare`: runs paired by seed and warm start, the pairs of one warm start averaged first), its p adjusted by Holm
+over the family, its look at the test split recorded in the runs' `ledger.jsonl`. Everything else is exploratory and
+says so.
+
+Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths,
+analysis); a cell is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95%
+confidence interval (t) over its runs, or over its warm starts' means where seeds share them. Per factor: each cell
+against the baseline cell (the factor's first value, the others held fixed), the difference with its 95% CI (Welch's
+t) and a flag saying whether the difference is within noise (the CI contains 0). Failed, unfinished and not-started
+runs are listed, never averaged.
 
 Arms and controls: a run whose summary says `arm: sft_control` (algorithm=sft_control) is a control. Its cell is the
-baseline of the factor that tells it from the treatments, and the report opens with one verdict line per treatment:
-its metric against the control's, the difference with its 95% CI, better / worse / inside noise, and the smallest
-difference the comparison could have detected (80% power). Where every treatment run has a control run with the same
-seed and the same warm-start weights (`sft.weights_sha256`), the comparison is paired (a t-test on the per-seed
-differences); otherwise Welch's. Curves are drawn against training seconds (`train/elapsed_s`) where every run logs
-them, so arms of equal compute line up.
+baseline of the factor that tells it from the treatments, and the report gives one verdict line per treatment: its
+metric against the control's, the difference with its 95% CI and p, better / worse / inside noise, and the smallest
+difference the comparison could have detected (80% power), paired where the runs pair (`compare`), else Welch's.
+Curves are drawn against training seconds (`train/elapsed_s`) where every run logs them, so arms of equal compute
+line up. The statistics are foundation/stats.py's.
 """
 
 from __future__ import annotations
