@@ -145,7 +145,6 @@ class Verdict:
     p_holm: float | None = None
     alpha: float = 0.05
     bootstrap: tuple[float, float, float] | None = None  # mean, low, high over clusters x questions
-    looks: str = ""  # where this verdict stands among the looks at the test split
 
     @property
     def declared(self) -> bool:
