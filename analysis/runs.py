@@ -1,13 +1,14 @@
 """Runs read back from run directories (a run, a sweep, a tree of them) or a W&B project, into one shape.
 
-A run directory holds `.hydra/` (config, overrides, choices), `metrics.jsonl`, `scores/` (each question's score per
-evaluation) and, once the job has ended, `summary.json`. A sweep directory holds Hydra's `multirun.yaml` and one
-numbered run directory per job: jobs the sweep defines but that never wrote a directory are kept as `not started`, so
-no run is silently dropped.
+A run directory holds `.hydra/` (config, overrides, choices), `metrics.jsonl` (`metrics.jsonl.gz` once archived under
+results/), `scores/` (each question's score per evaluation) and, once the job has ended, `summary.json`. A sweep
+directory holds Hydra's `multirun.yaml` and one numbered run directory per job: jobs the sweep defines but that never
+wrote a directory are kept as `not started`, so no run is silently dropped.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,16 +85,22 @@ def _natural(path: Path) -> tuple[tuple[int, int | str], ...]:
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in path.parts)
 
 
+def _metrics_text(path: Path) -> str:
+    """A run's `metrics.jsonl`, or its gzipped archive (results/ keeps them compressed); empty where neither exists."""
+    if (plain := path / "metrics.jsonl").is_file():
+        return plain.read_text()
+    if (packed := path / "metrics.jsonl.gz").is_file():
+        return gzip.decompress(packed.read_bytes()).decode()
+    return ""
+
+
 def load_run_dir(path: Path, root: Path) -> Run:
     hydra_dir = path / ".hydra"
     config = _yaml(hydra_dir / "config.yaml")
     hydra = _yaml(hydra_dir / "hydra.yaml").get("hydra", {})
     overrides = _yaml_list(hydra_dir / "overrides.yaml")
     summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else {}
-    metrics_file = path / "metrics.jsonl"
-    metrics = (
-        [json.loads(line) for line in metrics_file.read_text().splitlines() if line] if metrics_file.is_file() else []
-    )
+    metrics = [json.loads(line) for line in _metrics_text(path).splitlines() if line]
     status = summary.get("status", UNFINISHED)
     items = {f.stem: json.loads(f.read_text()) for f in sorted((path / "scores").glob("*.json"))}
     name = str(path.relative_to(root.parent))  # the sweep's name first: runs of several sweeps stay apart

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from foundation.errors import ConfigError
 from foundation.schema import declared
-from jobs.config import RunSettings, build_components, check_job, check_run, check_schema
+from jobs.config import RunSettings, build_components, check_job, check_run, check_schema, check_study
 from tests.conftest import ROOT, launch
 
 CONF = ROOT / "conf"
@@ -361,6 +361,25 @@ def test_the_pool_experiment_gives_every_arm_one_warm_start_and_one_flops_budget
         arms["sft_continue"]["algorithm"].sft_demos == "warmstart"
         and arms["sft_ceiling"]["algorithm"].sft_demos == "rl"
     )
+
+
+def test_the_pool_study_s_two_budget_conditions_differ_only_in_the_budget_and_declare_a_family_each() -> None:
+    """experiment=learn-pool-gpu-v2 (equal FLOPs) and -gpu-s (equal GPU-seconds): the same arms, warm start and
+    cadence; one budget each; each condition its own declared family of three, one primary."""
+    flops, gpu_s = (
+        compose_with(f"experiment={p}", "algorithm=sft_ceiling")
+        for p in ("learn-pool-gpu-v2", "learn-pool-gpu-v2-gpu-s")
+    )
+    budgets = {k: (flops.algorithm[k], gpu_s.algorithm[k]) for k in ("flops_budget", "gpu_s_budget", "time_budget_s")}
+    assert budgets == {"flops_budget": (8.4e14, None), "gpu_s_budget": (None, 400), "time_budget_s": (None, None)}
+    rest = [OmegaConf.masked_copy(c, [k for k in c if k not in ("analysis", "hydra")]) for c in (flops, gpu_s)]
+    for c in rest:
+        c.algorithm.flops_budget = c.algorithm.gpu_s_budget = None
+    assert rest[0] == rest[1]
+    families = [check_study(c.analysis) for c in (flops, gpu_s)]
+    for family in families:
+        assert [c.role for c in family.comparisons] == ["primary", "secondary", "secondary"]
+    assert {c.name for c in families[0].comparisons}.isdisjoint(c.name for c in families[1].comparisons)
 
 
 # The names before 2026-11-26, kept for one release as aliases of the new ones (docs/evaluation.md, "Names")

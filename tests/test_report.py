@@ -3,6 +3,7 @@ error bars, differences to the baseline and a noise flag; failed, unfinished and
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -381,6 +382,17 @@ def test_a_folder_of_sweeps_is_read_whole(tmp_path: Path) -> None:
             write_arm(root / str(num), arm, seed, 0.5)
     built, _ = report.build(report.load([str(tmp_path)]))
     assert sorted(built.runs.status) == ["completed"] * 6 + ["not started"] * 2
+
+
+def test_an_archived_run_with_gzipped_metrics_reads_as_the_plain_one(sweeps: tuple[Path, Path]) -> None:
+    """results/ keeps metrics.jsonl gzipped: the curves and the report read from it are the plain run's."""
+    _, b = sweeps
+    plain = report.load([str(b)])
+    for metrics in b.rglob("metrics.jsonl"):
+        metrics.with_suffix(".jsonl.gz").write_bytes(gzip.compress(metrics.read_bytes()))
+        metrics.unlink()
+    archived = report.load([str(b)])
+    assert [r.metrics for r in archived] == [r.metrics for r in plain] and plain[0].metrics
 
 
 def test_the_verdict_names_the_budget_both_arms_shared() -> None:

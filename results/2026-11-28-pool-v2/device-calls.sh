@@ -1,41 +1,91 @@
 #!/usr/bin/env bash
-# experiment=learn-pool-gpu-v2 on an nvidia-h200-x2 machine: warm start WS0 on GPU 0, WS1 on GPU 1, side by side.
-# MODE=tune-sft: each warm start (built here, shared) and its pool, and the SFT arms' tuning runs.
-# MODE=tune-rl: GRPO's and RFT's tuning runs (the next call on the same warm machine: the cache stays in /tmp/cache).
-# MODE=tune-sft-edge GRID=3e-4,1e-3: the SFT arms' grid extended past its edge, with its old edge again for a
-# comparison on the same build (a fresh machine builds the warm starts and pools again: their digests may differ).
+# experiment=learn-pool-gpu-v2 on an nvidia-h200-x2 machine (2 x H200, 32 cores), two GPUs side by side.
+# Tuning (experiment=learn-pool-gpu-v2-tune; warm start WS0 on GPU 0, WS1 on GPU 1):
+#   MODE=tune-sft: each warm start (built here, shared) and its pool, and the SFT arms' tuning runs.
+#   MODE=tune-rl: GRPO's and RFT's tuning runs (the next call on the same warm machine: the cache stays in /tmp/cache).
+#   MODE=tune-sft-edge GRID=3e-4,1e-3: the SFT arms' grid extended past its edge, with its old edge again for a
+#   comparison on the same build (a fresh machine builds the warm starts and pools again: their digests may differ).
+# The main study at equal FLOPs (experiment=learn-pool-gpu-v2, each arm at its tuned learning rate; three warm starts
+# a pair of calls, WS0 on GPU 0, WS1 on GPU 1, WS2's arms split between them: six runs a GPU, as in tuning):
+#   MODE=main-sft WS0=0 WS1=1 WS2=2: the warm starts and pools (built once, here), both SFT arms, seeds 2W and 2W+1.
+#   MODE=main-rl WS0=0 WS1=1 WS2=2: GRPO and RFT from the same builds (the next call on the same warm machine).
+# The main study at equal GPU-seconds (experiment=learn-pool-gpu-v2-gpu-s; its own builds of the warm starts): the
+# eight runs of a warm start side by side on one GPU for the whole budget, so every arm meets the same co-tenants;
+# three warm starts a call (WS2's arms split between the GPUs: twelve runs a GPU, each GPU's co-tenants alike):
+#   MODE=gpu-s WS0=0 WS1=1 WS2=2 LIMIT=570
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl).
 set -u
 mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
 export PYTHONPATH=/tmp/proj:$PWD PYTHONUNBUFFERED=1 ARL_CACHE_DIR=/tmp/cache ARL_OUTPUT_DIR=/tmp/out
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-E="experiment=learn-pool-gpu-v2-tune hydra/launcher=local_parallel hydra.launcher.n_jobs=6"
 GRID=${GRID:-3e-5,1e-4,3e-4}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/env-$MODE.txt
 python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" >> $OUT/env-$MODE.txt 2>&1
 git log -1 --format=%H >> $OUT/env-$MODE.txt 2>&1
+# the machine's load every 20 s (how many runs a GPU can take is measured, not guessed)
+( while true; do echo "$(date +%s) $(cut -d' ' -f1-3 /proc/loadavg) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"; sleep 20; done ) > $OUT/load-$MODE.txt 2>&1 &
+sampler=$!
 start=$(date +%s)
-gpu=0
-for W in ${WS0:-100} ${WS1:-101}; do
-  SFT="algorithm=sft_continue,sft_ceiling algorithm.sft_learning_rate=$GRID"
-  RL="algorithm=grpo,rft algorithm.learning_rate=$GRID"
-  case $MODE in
-    tune-sft*) SWEEPS=(sft) ;;
-    tune-rl*) SWEEPS=(rl) ;;
-    *) SWEEPS=(sft rl) ;;
-  esac
-  for part in "${SWEEPS[@]}"; do
-    if [ $part = sft ]; then ARMS=$SFT; else ARMS=$RL; fi
-    name=$MODE-ws$W${SWEEPS[1]:+-$part}
-    CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM ${LIMIT:-540} python launch.py -m $E $ARMS warmstart.seed=$W \
-      model.init_seed=$W hydra.sweep.dir=/tmp/out/$name > $OUT/$name.log 2>&1 &
-  done
-  gpu=$((gpu + 1))
-done
-wait
+
+sweep() {  # sweep GPU NAME OVERRIDES...: one multirun in the background, its log in $OUT
+  local gpu=$1 name=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM ${LIMIT:-540} python launch.py -m "$@" hydra/launcher=local_parallel \
+    hydra.launcher.n_jobs=6 hydra.sweep.dir=/tmp/out/$name > $OUT/$name.log 2>&1 &
+  pids+=($!)
+}
+pids=()
+ws() { echo "warmstart.seed=$1 model.init_seed=$1"; }
+seeds() { echo "seed=$((2 * $1)),$((2 * $1 + 1))"; }
+# each arm's learning rate chosen by the tuning stage (tuning/tuning.json, tuning/edge*/tuning.json)
+GRPO="algorithm=grpo algorithm.learning_rate=1e-4"
+RFT="algorithm=rft algorithm.learning_rate=1e-4"
+CONT="algorithm=sft_continue algorithm.sft_learning_rate=3e-3"
+GOLD="algorithm=sft_ceiling algorithm.sft_learning_rate=1e-3"
+M="experiment=learn-pool-gpu-v2"
+T="experiment=learn-pool-gpu-v2-tune"
+G="experiment=learn-pool-gpu-v2-gpu-s"
+
+case $MODE in
+  tune-*)
+    gpu=0
+    for W in ${WS0:-100} ${WS1:-101}; do
+      case $MODE in
+        tune-sft*) sweep $gpu $MODE-ws$W $T $(ws $W) algorithm=sft_continue,sft_ceiling algorithm.sft_learning_rate=$GRID ;;
+        tune-rl) sweep $gpu $MODE-ws$W $T $(ws $W) algorithm=grpo,rft algorithm.learning_rate=$GRID ;;
+      esac
+      gpu=$((gpu + 1))
+    done ;;
+  main-sft)
+    sweep 0 main-ws$WS0-cont $M $(ws $WS0) $(seeds $WS0) $CONT
+    sweep 0 main-ws$WS0-gold $M $(ws $WS0) $(seeds $WS0) $GOLD
+    sweep 0 main-ws$WS2-cont $M $(ws $WS2) $(seeds $WS2) $CONT
+    sweep 1 main-ws$WS1-cont $M $(ws $WS1) $(seeds $WS1) $CONT
+    sweep 1 main-ws$WS1-gold $M $(ws $WS1) $(seeds $WS1) $GOLD
+    sweep 1 main-ws$WS2-gold $M $(ws $WS2) $(seeds $WS2) $GOLD ;;
+  main-rl)
+    sweep 0 main-ws$WS0-grpo $M $(ws $WS0) $(seeds $WS0) $GRPO
+    sweep 0 main-ws$WS0-rft $M $(ws $WS0) $(seeds $WS0) $RFT
+    sweep 0 main-ws$WS2-grpo $M $(ws $WS2) $(seeds $WS2) $GRPO
+    sweep 1 main-ws$WS1-grpo $M $(ws $WS1) $(seeds $WS1) $GRPO
+    sweep 1 main-ws$WS1-rft $M $(ws $WS1) $(seeds $WS1) $RFT
+    sweep 1 main-ws$WS2-rft $M $(ws $WS2) $(seeds $WS2) $RFT ;;
+  gpu-s)
+    for arm in grpo rft cont gold; do
+      case $arm in grpo) A=$GRPO ;; rft) A=$RFT ;; cont) A=$CONT ;; gold) A=$GOLD ;; esac
+      sweep 0 gpu-s-ws$WS0-$arm $G $(ws $WS0) $(seeds $WS0) $A
+      sweep 1 gpu-s-ws$WS1-$arm $G $(ws $WS1) $(seeds $WS1) $A
+      case $arm in grpo | cont) g=0 ;; *) g=1 ;; esac
+      [ -n "${WS2:-}" ] && sweep $g gpu-s-ws$WS2-$arm $G $(ws $WS2) $(seeds $WS2) $A
+    done ;;
+  *) echo "unknown MODE=$MODE"; exit 2 ;;
+esac
+wait "${pids[@]}"
+kill $sampler
 echo "exit after $(( $(date +%s) - start )) s" >> $OUT/env-$MODE.txt
 for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill $pid 2>/dev/null; done
 ls -la /tmp/cache/warmstarts /tmp/cache/warmstarts/pools >> $OUT/env-$MODE.txt 2>&1
 cat /tmp/cache/warmstarts/pools/*.json 2>/dev/null | grep -v '^  "' | head -40 >> $OUT/env-$MODE.txt
-cd /tmp/out && tar -czf $OUT/runs-$MODE.tgz --exclude="checkpoint-*" --exclude=final --exclude="*.safetensors" $MODE-ws*
+# at most 8 files come back from $OUT: the runs (with their own launch logs) in one archive, the sweeps' logs in another
+cd /tmp/out && tar -czf $OUT/runs-$MODE.tgz --exclude="checkpoint-*" --exclude=final --exclude="*.safetensors" *
+cd $OUT && tar -czf logs-$MODE.tgz *.log && rm *.log
 ls -la $OUT
