@@ -26,7 +26,6 @@ from langgraph.graph import END, START, StateGraph
 from agent.llm import ChatModel, Message
 from agent.scripted import Reply, say
 from agent.sql_tool import SCHEMA_STYLES, run_query, schema_text
-from agent.tracing import agent_step
 from agent.trajectory import Trajectory
 from foundation.schema import number, one_of
 
@@ -143,19 +142,16 @@ class SpiderSQLAgent:
         )
 
     # Nodes. LangGraph passes the run's config; the LLM and the database travel there, not in the state.
-    async def _ask(
-        self, state: _State, config: RunnableConfig, user: str | None, step: str
-    ) -> tuple[list[Message], str]:
+    async def _ask(self, state: _State, config: RunnableConfig, user: str | None) -> tuple[list[Message], str]:
         messages = list(state["messages"])
         if user is not None:
             messages.append({"role": "user", "content": user})
-        with agent_step(step):  # agent-lightning's agent_match selects calls by step (e.g. "write": write, rewrite)
-            reply = await config["configurable"]["llm"].chat(messages)
+        reply = await config["configurable"]["llm"].chat(messages)
         messages.append({"role": "assistant", "content": reply})
         return messages, reply
 
     async def _write_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
-        messages, reply = await self._ask(state, config, None, "write_query")
+        messages, reply = await self._ask(state, config, None)
         return {"messages": messages, "query": extract_sql(reply), "turns": state["turns"] + 1}
 
     async def _execute_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
@@ -179,7 +175,7 @@ class SpiderSQLAgent:
 
     async def _check_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
         user = self.check_prompt.format(query=state["query"] or "", result=state["result"])
-        messages, reply = await self._ask(state, config, user, "check_query")
+        messages, reply = await self._ask(state, config, user)
         correct = check_says_correct(reply)
         return {"messages": messages, "correct": correct, "verdicts": [*state["verdicts"], correct]}
 
@@ -187,6 +183,6 @@ class SpiderSQLAgent:
         return END if state["correct"] or state["turns"] >= self.max_turns else "rewrite_query"
 
     async def _rewrite_query(self, state: _State, config: RunnableConfig) -> dict[str, Any]:
-        messages, reply = await self._ask(state, config, self.rewrite_prompt, "rewrite_query")
+        messages, reply = await self._ask(state, config, self.rewrite_prompt)
         query = extract_sql(reply)
         return {"messages": messages, "query": query or state["query"], "turns": state["turns"] + 1}
