@@ -1,5 +1,5 @@
-"""Moved to `backends/sft.py` (the warm start is every backend's phase). Kept for one release: the run configs
-recorded before the move (`_target_: backends.trl.sft.SFTWarmstart`, results/ and SLURM jobs submitted then)."""
+"""Moved to `backends/sft.py` (the warm start is every backend's phase). Kept for the run configs results/ recorded
+before the move, which name `backends.trl.sft.SFTWarmstart` (tests/test_config.py resolves each recorded target)."""
 
 from backends.sft import SFTWarmstart
 
