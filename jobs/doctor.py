@@ -23,14 +23,15 @@ from omegaconf import DictConfig
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from backends.protocol import Backend, Needs
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import number
-from jobs.config import build_components
+from jobs.config import build_components, build_group
 from jobs.preflight import probes, run_probes, settings
+from jobs.train import train_setup
 
 ROOT = Path(__file__).resolve().parent.parent
-SCALE_BACKENDS = ("verl",)
 # vLLM is not in the verl extra (no CPU build); backend=verl ran with these (bench/results/verl_vs_trl_*.json).
 VLLM_TESTED = ("0.20.2",)
 
@@ -55,11 +56,11 @@ class PreflightFailed(RuntimeError):
     """At least one row would make the run fail."""
 
 
-def verl_pins() -> dict[str, str]:
-    """The verified set of backend=verl: the `verl` extra's pins (pyproject.toml)."""
+def extra_pins(extra: str) -> dict[str, str]:
+    """A verified set: the pins of one of pyproject.toml's extras (`verl`: backend=verl's)."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pins = {}
-    for line in extras["verl"]:
+    for line in extras[extra]:
         req = Requirement(line)
         pins[canonicalize_name(req.name)] = str(req.specifier).removeprefix("==")
     return pins
@@ -89,41 +90,48 @@ def python_rows() -> list[Row]:
     ]
 
 
-def torch_rows(scale: bool, gpus_per_node: int) -> list[Row]:
+def torch_rows(backend: str, cuda: bool, gpus_per_node: int) -> list[Row]:
     import torch
 
     rows = [Row("torch", "ok", torch.__version__)]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus = [torch.cuda.get_device_properties(i) for i in range(count)]
     listed = ", ".join(f"{p.name} {p.total_memory / 2**30:.0f} GiB" for p in gpus) or "none"
-    cuda = f"CUDA {torch.version.cuda}, {count} GPU(s): {listed}" if count else "no CUDA GPU"
+    cuda_text = f"CUDA {torch.version.cuda}, {count} GPU(s): {listed}" if count else "no CUDA GPU"
     fix = (
-        f"backend=verl needs resources.gpus_per_node={gpus_per_node} CUDA GPUs on each node: run on a GPU node "
+        f"backend={backend} needs resources.gpus_per_node={gpus_per_node} CUDA GPUs on each node: run on a GPU node "
         "(on CPU: job=validate checks the run)"
     )
-    rows.append(_row("cuda / GPUs", scale, count >= gpus_per_node, cuda, fix))
+    rows.append(_row("cuda / GPUs", cuda, count >= gpus_per_node, cuda_text, fix))
     return rows
 
 
-def package_rows(backend: str) -> list[Row]:
-    verl = backend == "verl"
+def package_rows(backend: str, needs: Needs) -> list[Row]:
+    """The backend's packages: an extra's pinned set (every pin, and what its main package requires of the rest),
+    the distributions it names, vLLM; every pinned extra's rows are shown, `-` where this backend does not use it."""
     rows = []
-    for dist, want in verl_pins().items():
+    for extra in ("verl",):
+        used = needs.pinned_extra == extra
+        for dist, want in extra_pins(extra).items():
+            have = _version(dist)
+            fix = f"pip install -c constraints.txt -e '.[{extra}]' (pins {dist}=={want}), or make setup"
+            rows.append(_row(dist, used, have == want, f"{have or 'not installed'} (pinned {want})", fix))
+        if _version(extra) is not None:  # what it requires of the set itself (verl: transformers < 5.11, numpy >= 2)
+            unmet = [
+                f"{req.name} {req.specifier} (have {_version(req.name) or 'none'})"
+                for req in map(Requirement, importlib.metadata.requires(extra) or [])
+                if req.marker is None and not req.specifier.contains(_version(req.name) or "0", prereleases=True)
+            ]
+            value = "; ".join(unmet) or "all met"
+            rows.append(
+                _row(f"{extra}'s requirements", used, not unmet, value, f"install the versions {extra} requires")
+            )
+    for dist in needs.packages:
         have = _version(dist)
-        fix = f"pip install -c constraints.txt -e '.[verl]' (pins {dist}=={want}), or make setup"
-        rows.append(_row(dist, verl, have == want, f"{have or 'not installed'} (pinned {want})", fix))
-    if _version("verl") is not None:  # what verl itself requires of the set (transformers < 5.11, numpy >= 2, ...)
-        unmet = [
-            f"{req.name} {req.specifier} (have {_version(req.name) or 'none'})"
-            for req in map(Requirement, importlib.metadata.requires("verl") or [])
-            if req.marker is None and not req.specifier.contains(_version(req.name) or "0", prereleases=True)
-        ]
-        value = "; ".join(unmet) or "all met"
-        rows.append(_row("verl's requirements", verl, not unmet, value, "install the versions verl requires"))
-    if backend == "trl":
-        trl = _version("trl")
-        rows.append(_row("trl", True, trl is not None, trl or "not installed", "backend=trl runs in .venv: make setup"))
-    rows.append(vllm_row(verl))
+        rows.append(
+            _row(dist, True, have is not None, have or "not installed", f"backend={backend} runs in .venv: make setup")
+        )
+    rows.append(vllm_row(needs.vllm))
     return rows
 
 
@@ -149,15 +157,15 @@ def vllm_row(needed: bool) -> Row:
     return Row("vllm", "ok", version)
 
 
-def cluster_rows(cfg: DictConfig, backend: str) -> list[Row]:
+def cluster_rows(cfg: DictConfig, needs: Needs) -> list[Row]:
     nodes = int(cfg.resources.nodes)
     address = os.environ.get("RAY_ADDRESS")
     fix = "start Ray across the allocation first (the SLURM launcher does; see README) and export RAY_ADDRESS"
     value = f"resources.nodes={nodes}, RAY_ADDRESS={address or 'unset'}"
-    return [_row("ray cluster", backend == "verl" and nodes > 1, nodes == 1 or bool(address), value, fix)]
+    return [_row("ray cluster", needs.ray_across_nodes and nodes > 1, nodes == 1 or bool(address), value, fix)]
 
 
-def wandb_rows(cfg: DictConfig, backend: str) -> list[Row]:
+def wandb_rows(cfg: DictConfig) -> list[Row]:
     used = (cfg.get("logger") or {}).get("name") == "wandb"
     version = _version("wandb")
     try:
@@ -191,33 +199,38 @@ def needs_rows(cfg: DictConfig) -> list[Row]:
     return rows
 
 
-def config_rows(cfg: DictConfig, backend: str) -> list[Row]:
-    """Our config validation, and for backend=verl verl's own (where verl is installed)."""
+def config_rows(cfg: DictConfig, run_dir: RunDir) -> list[Row]:
+    """Our config validation, then the backend's `prepare` (job=validate: its own settings derived and validated,
+    written under the doctor's run directory) where its packages are installed."""
     try:
-        if backend == "verl" and importlib.util.find_spec("verl") is not None:
-            from jobs.validate import verl_config
-
-            verl_config(cfg, Path(cfg.paths.output_dir) / "doctor")
-            return [Row("config", "ok", "ours and verl's validate_config pass")]
-        build_components(cfg)
+        parts = build_components(cfg)
+        backend: Backend = parts["backend"]
+        setup = train_setup(cfg, parts, run_dir)
+        backend.check(setup, backend.processes(int(cfg.resources.nodes), int(cfg.resources.gpus_per_node)))
+        try:
+            backend.prepare(setup)
+        except ModuleNotFoundError as exc:
+            return [Row("config", "ok", f"ours valid; backend={backend.name}'s own check skipped ({exc.name} missing)")]
     except (ConfigError, ValueError, OSError) as exc:
         return [Row("config", "FAIL", str(exc)[:200], "fix the key the message names")]
-    return [Row("config", "ok", "valid")]
+    return [Row("config", "ok", f"ours and backend={cfg.backend.name}'s checks pass")]
 
 
-def preflight(cfg: DictConfig) -> list[Row]:
+def preflight(cfg: DictConfig, run_dir: RunDir) -> list[Row]:
     backend = str(cfg.backend.name)
-    if backend not in (*SCALE_BACKENDS, "trl"):
-        return [Row("backend", "FAIL", backend, "job=doctor knows backend=trl and verl")]
+    try:
+        needs = build_group(cfg, "backend").needs
+    except ConfigError as exc:
+        return [Row("backend", "FAIL", str(exc)[:200], "fix the key the message names")]
     return [
         *python_rows(),
-        *torch_rows(backend == "verl", int(cfg.resources.gpus_per_node)),
-        *package_rows(backend),
-        *cluster_rows(cfg, backend),
-        *wandb_rows(cfg, backend),
+        *torch_rows(backend, needs.cuda, int(cfg.resources.gpus_per_node)),
+        *package_rows(backend, needs),
+        *cluster_rows(cfg, needs),
+        *wandb_rows(cfg),
         *disk_rows(cfg, float(cfg.job.min_free_gb)),
         *needs_rows(cfg),
-        *config_rows(cfg, backend),
+        *config_rows(cfg, run_dir),
     ]
 
 
@@ -233,7 +246,7 @@ def table(rows: list[Row]) -> str:
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
-    rows = preflight(cfg)
+    rows = preflight(cfg, run_dir)
     print(f"preflight for backend={cfg.backend.name}, model={cfg.model.name}:\n{table(rows)}", flush=True)
     (run_dir.path / "doctor.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     failed = [r.check for r in rows if r.status == "FAIL"]

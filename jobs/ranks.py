@@ -57,11 +57,6 @@ STACKS_BEFORE_KILL_S = 5.0  # ranks still running this long before the kill show
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 
-def processes(cfg: DictConfig) -> int:
-    """How many processes the run trains on: `resources.nodes` x `resources.gpus_per_node` (at least one a node)."""
-    return int(cfg.resources.nodes) * max(1, int(cfg.resources.gpus_per_node))
-
-
 def check_devices(cfg: DictConfig, gpus: int) -> None:
     """One GPU a rank: a machine with `gpus` GPUs (0: CPU ranks, any number) runs at most that many a node."""
     per_node = max(1, int(cfg.resources.gpus_per_node))

@@ -8,34 +8,39 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from backends.protocol import Backend
 from backends.setup import TrainSetup
 from foundation.ranks import started_by_launcher
 from foundation.run_dir import RunDir
 from foundation.stats import BEYOND_NOISE, Estimate, proportion_difference, welch, wilson
 from jobs.config import build_components
-from jobs.ranks import launch_ranks, processes
+from jobs.ranks import launch_ranks
 
 
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
+    """The backend's checks and plans (backends/protocol.py) before any model loads or process starts; then its
+    processes started here (several: jobs/ranks.py) or its training in this one."""
     parts = build_components(cfg)  # validated here, also before a run of several processes starts them
-    if cfg.backend.name == "trl":
-        parts["backend"].check(processes(cfg), parts["algorithm"])
-    plan = None if started_by_launcher() else memory_plan(cfg, parts)  # before any model loads or rank starts
-    disk = disk_plan(cfg, parts, run_dir)  # every rank: each save is checked against it
-    planned = ({} if plan is None else {"memory_plan": plan}) | ({} if disk is None else {"disk_plan": disk})
-    # backend=trl's ranks are started here; verl places its own workers on `resources` (Ray)
-    if cfg.backend.name == "trl" and processes(cfg) > 1 and not started_by_launcher():
-        parts["algorithm"].per_rank(processes(cfg))  # the ranks can share the step's batch
-        return summarize(launch_ranks(cfg, run_dir), run_dir) | planned
-    setup = train_setup(cfg, parts, run_dir, disk)
-    return summarize(parts["backend"].train(setup), run_dir) | planned
+    backend: Backend = parts["backend"]
+    setup = train_setup(cfg, parts, run_dir)
+    ranks = backend.processes(int(cfg.resources.nodes), int(cfg.resources.gpus_per_node))
+    backend.check(setup, ranks)
+    starter = not started_by_launcher()  # the process the user started: it plans memory and shows the plans
+    capacity = (cfg.resources.get("gpu_memory_gb") or gpu_memory_gb()) if starter else None
+    plans = backend.plans(setup, ranks, capacity)  # every rank: each save is checked against the disk plan
+    if starter:
+        for plan in plans.values():
+            print(plan["text"], flush=True)
+    setup.disk_plan = plans.get("disk_plan")
+    if ranks > 1 and starter:
+        parts["algorithm"].per_rank(ranks)  # the ranks can share the step's batch
+        return summarize(launch_ranks(cfg, run_dir), run_dir) | plans
+    return summarize(backend.train(setup), run_dir) | plans
 
 
-def train_setup(
-    cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir, disk: dict[str, Any] | None = None
-) -> TrainSetup:
-    """What a backend receives: the built components, the seed, the run directory, the groups' configs and the disk
-    plan (`disk`: backend=trl's, what each save is checked against)."""
+def train_setup(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> TrainSetup:
+    """What a backend receives: the built components, the seed, the run directory and the groups' configs (the disk
+    plan is the backend's, added once made)."""
     return TrainSetup(
         model=parts["model"],
         finetune=parts["finetune"],
@@ -47,37 +52,7 @@ def train_setup(
         seed=cfg.seed,
         run=run_dir,
         groups={k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("agent", "reward", "model")},  # type: ignore[misc]
-        disk_plan=disk,
     )
-
-
-def memory_plan(cfg: DictConfig, parts: dict[str, Any]) -> dict[str, Any] | None:
-    """backend=trl on GPUs: the memory plan per GPU (backends/memory.py), printed; a plan that does not fit stops
-    the run here (ConfigError). The GPUs' memory: `resources.gpu_memory_gb`, else read off this machine's GPUs
-    (nvidia-smi: no CUDA context in this process). None on CPU."""
-    backend = parts["backend"]
-    if cfg.backend.name != "trl" or cfg.backend.get("device", "auto") == "cpu":
-        return None
-    capacity = cfg.resources.get("gpu_memory_gb") or gpu_memory_gb()
-    if capacity is None:
-        return None
-    plan = backend.memory_plan(parts["model"], parts["finetune"], parts["algorithm"], processes(cfg), capacity)
-    print(plan["text"], flush=True)
-    return plan
-
-
-def disk_plan(cfg: DictConfig, parts: dict[str, Any], run_dir: RunDir) -> dict[str, Any] | None:
-    """backend=trl: the disk plan under the run's checkpoints (backends/disk.py), printed by the process that starts
-    the run; a plan that does not fit stops the run here (ConfigError), before any model loads. None for verl (its
-    checkpoints are its own)."""
-    if cfg.backend.name != "trl":
-        return None
-    backend, ranks, warm = parts["backend"], processes(cfg), parts["warmstart"]
-    here = warm is not None and warm.writes_into_run
-    plan = backend.disk_plan(parts["model"], parts["finetune"], parts["algorithm"], ranks, run_dir.checkpoints, here)
-    if not started_by_launcher():
-        print(plan["text"], flush=True)
-    return plan
 
 
 def gpu_memory_gb() -> float | None:

@@ -1,43 +1,23 @@
-"""job=validate: everything a backend=verl run does before Ray starts, on CPU: our groups built and validated, the
-inputs verl reads written (`<run>/verl/`: parquet rows, the agent-loop YAML; a model built here is built), verl's
-config derived and validated by us and by verl (`<run>/verl_config.yaml`)."""
+"""job=validate: everything a run does before its first step, on CPU, for any backend: our groups built and
+validated, the backend's checks, then its `prepare` (backends/protocol.py): what training would write and check first
+(backend=trl: the run's task splits and TRL's GRPOConfig; backend=verl: `<run>/verl/` and `<run>/verl_config.yaml`,
+validated by verl too), without training."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from foundation.errors import ConfigError
+from backends.protocol import Backend
 from foundation.run_dir import RunDir
 from jobs.config import build_components
 from jobs.train import train_setup
 
 
-def verl_config(cfg: DictConfig, run_path: Path) -> DictConfig:
-    """Our groups validated and built, then verl's inputs and its trainer config generated and validated."""
-    from backends.verl.train import verl_setup
-
-    if cfg.backend.name != "verl":
-        raise ConfigError(f"backend={cfg.backend.name}: job=validate checks backend=verl runs (add backend=verl)")
-    parts = build_components(cfg)
-    config, _ = verl_setup(parts["backend"], train_setup(cfg, parts, RunDir(run_path)))
-    return config
-
-
 def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
-    generated = verl_config(cfg, run_dir.path)
-    path = run_dir.path / "verl_config.yaml"
-    OmegaConf.save(generated, path)
-    trainer, rollout = generated.trainer, generated.actor_rollout_ref.rollout
-    return {
-        "verl_config": str(path),
-        "nnodes": trainer.nnodes,
-        "n_gpus_per_node": trainer.n_gpus_per_node,
-        "rollout_n": rollout.n,
-        "lora_rank": generated.actor_rollout_ref.model.lora_rank,
-        "train_batch_size": generated.data.train_batch_size,
-        "adv_estimator": generated.algorithm.adv_estimator,
-        "rollout_is": generated.algorithm.rollout_correction.rollout_is,
-    }
+    parts = build_components(cfg)
+    backend: Backend = parts["backend"]
+    setup = train_setup(cfg, parts, run_dir)
+    backend.check(setup, backend.processes(int(cfg.resources.nodes), int(cfg.resources.gpus_per_node)))
+    return backend.prepare(setup)

@@ -183,7 +183,6 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
     """The presets are sized for H100s (80 GB): their own plan, with vLLM as the engine, must not refuse them."""
     import backends.trl.backend as trl_backend
     from jobs.config import build_components
-    from jobs.ranks import processes
     from tests.test_config import compose_with
 
     cfg = compose_with(f"experiment={preset}", f"data.spider_dir={spider_mini_dir}")
@@ -191,7 +190,8 @@ def test_every_gpu_preset_s_plan_fits_an_80gb_card(
     model = parts["model"]
     monkeypatch.setattr(model, "architecture", lambda: HUB_SHAPES[model.hub_id])
     monkeypatch.setattr(trl_backend, "resolve_engine", lambda name, device: "vllm")
-    plan = parts["backend"].memory_plan(model, parts["finetune"], parts["algorithm"], processes(cfg), H100_GB)
+    ranks = parts["backend"].processes(int(cfg.resources.nodes), int(cfg.resources.gpus_per_node))
+    plan = parts["backend"].memory_plan(model, parts["finetune"], parts["algorithm"], ranks, H100_GB)
     assert plan["fits"], plan["text"]
 
 
@@ -218,6 +218,6 @@ def test_an_offload_that_cannot_apply_stops_the_run_instead_of_being_ignored(
 
     parts = build_components(compose_with(*overrides))
     with pytest.raises(ConfigError, match=message):
-        parts["backend"].check(ranks, parts["algorithm"])
+        parts["backend"].check_settings(ranks, parts["algorithm"])
     plain = build_components(compose_with("backend.device=cpu"))
-    plain["backend"].check(2, plain["algorithm"])  # no offload: nothing to check
+    plain["backend"].check_settings(2, plain["algorithm"])  # no offload: nothing to check

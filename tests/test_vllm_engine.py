@@ -417,8 +417,8 @@ def test_an_engine_in_its_own_process_runs_on_one_rank_only() -> None:
     from backends.trl.backend import TRLBackend
 
     with pytest.raises(ConfigError, match=r"backend\.vllm_own_process: one rank only"):
-        TRLBackend(vllm_own_process=True).check(ranks=2, algo=GRPO())
-    TRLBackend(vllm_own_process=True).check(ranks=1, algo=GRPO())
+        TRLBackend(vllm_own_process=True).check_settings(ranks=2, algo=GRPO())
+    TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO())
 
 
 STARTER = """

@@ -38,6 +38,7 @@ from backends.compute import ComputeCount
 from backends.disk import DiskFull, DiskSetting, check_before_save, check_plan, plan_disk
 from backends.memory import DeviceMemory, Setting, Shape, explain, plan_memory
 from backends.progress import show_progress
+from backends.protocol import Needs
 from backends.setup import TrainSetup
 from backends.sft import SFTWarmstart, agreed, run_tasks, supervised, warm_start, weights_digest
 from backends.trl.fsdp import OFFLOADS, SHARDINGS, OptimizerOffload, fsdp_arguments
@@ -163,7 +164,44 @@ class TRLBackend:
         plan["text"] = check_plan(plan, checkpoints, setting, self.disk_check)
         return plan
 
-    def check(self, ranks: int, algo: GRPO) -> None:
+    @property
+    def needs(self) -> Needs:
+        return Needs(packages=("trl",))
+
+    def processes(self, nodes: int, gpus_per_node: int) -> int:
+        """One rank a GPU on every node (one process a node on CPU): GRPO trains data-parallel across them."""
+        return nodes * max(1, gpus_per_node)
+
+    def check(self, setup: TrainSetup, processes: int) -> None:
+        self.check_settings(processes, setup.algorithm)
+
+    def plans(self, setup: TrainSetup, processes: int, gpu_memory_gb: float | None) -> dict[str, dict[str, Any]]:
+        """The memory plan on GPUs of `gpu_memory_gb` (none on CPU, or where it is not known) and the disk plan
+        under the run's checkpoints, which every rank checks each save against."""
+        model, finetune, algo = setup.model, setup.finetune, setup.algorithm
+        plans = {}
+        if gpu_memory_gb is not None and self.device != "cpu":
+            plans["memory_plan"] = self.memory_plan(model, finetune, algo, processes, gpu_memory_gb)
+        here = setup.warmstart is not None and setup.warmstart.writes_into_run
+        plans["disk_plan"] = self.disk_plan(model, finetune, algo, processes, setup.run.checkpoints, here)
+        return plans
+
+    def prepare(self, setup: TrainSetup) -> dict[str, Any]:
+        """The run's tasks split (data, warm start, pool candidates) and TRL's GRPOConfig built from ours (TRL's
+        own checks: batch and group sizes), as training does first."""
+        tasks = run_tasks(setup)
+        config = self.grpo_config(setup.algorithm, str(setup.run.path), setup.seed, "cpu")
+        return {
+            "train_tasks": len(tasks.train),
+            "val_tasks": len(tasks.val),
+            "test_tasks": len(tasks.test),
+            "warmstart_tasks": len(tasks.warm),
+            "generation_batch_size": config.generation_batch_size,
+            "per_device_train_batch_size": config.per_device_train_batch_size,
+            "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        }
+
+    def check_settings(self, ranks: int, algo: GRPO) -> None:
         """What needs a GPU or several ranks, or rules out another setting, before anything starts (offload is never
         silently ignored)."""
         if algo.overlapped and self.offload != "none":

@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import OmegaConf
+
+from backends.protocol import Needs
 from backends.setup import TrainSetup
+from backends.verl.config import check_algorithm, check_shape
 from foundation.schema import number
 
 
@@ -27,6 +31,42 @@ class VerlBackend:
     project_name: str
     overrides: dict[str, Any]
     fit: bool
+
+    @property
+    def needs(self) -> Needs:
+        return Needs(cuda=True, pinned_extra="verl", vllm=True, ray_across_nodes=True)
+
+    def processes(self, nodes: int, gpus_per_node: int) -> int:
+        """One: verl places its own workers on the nodes and GPUs (Ray; backends/ray_cluster.py across nodes)."""
+        return 1
+
+    def check(self, setup: TrainSetup, processes: int) -> None:
+        check_algorithm(setup.algorithm)
+        check_shape(setup.finetune, setup.algorithm, self)
+
+    def plans(self, setup: TrainSetup, processes: int, gpu_memory_gb: float | None) -> dict[str, dict[str, Any]]:
+        """None: verl sizes its workers and keeps its checkpoints itself."""
+        return {}
+
+    def prepare(self, setup: TrainSetup) -> dict[str, Any]:
+        """verl's inputs written (`<run>/verl/`: parquet rows, the agent-loop YAML; a model built here is built) and
+        its trainer config derived, validated by us and by verl, saved as `<run>/verl_config.yaml`."""
+        from backends.verl.train import verl_setup
+
+        generated, _ = verl_setup(self, setup)
+        path = setup.run.path / "verl_config.yaml"
+        OmegaConf.save(generated, path)
+        trainer, rollout = generated.trainer, generated.actor_rollout_ref.rollout
+        return {
+            "verl_config": str(path),
+            "nnodes": trainer.nnodes,
+            "n_gpus_per_node": trainer.n_gpus_per_node,
+            "rollout_n": rollout.n,
+            "lora_rank": generated.actor_rollout_ref.model.lora_rank,
+            "train_batch_size": generated.data.train_batch_size,
+            "adv_estimator": generated.algorithm.adv_estimator,
+            "rollout_is": generated.algorithm.rollout_correction.rollout_is,
+        }
 
     def train(self, setup: TrainSetup) -> dict[str, Any]:
         from backends.verl.train import train_verl
