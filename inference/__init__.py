@@ -5,7 +5,9 @@ server that puts an OpenAI-compatible endpoint in front of them.
     hf.py             `HFGenerate`: transformers' `model.generate` (any model, any device; what TRL does)
     static.py         `StaticGenerate`: static KV cache + CUDA graphs for Qwen2/Qwen3/Llama (fixed batches)
     vllm.py           `VLLMEngine`: vLLM in this process, continuous batching, prefix caching, sleep/wake
-    policy_server.py  the endpoint agents call during training and validation; records every call's tokens
+    ledger.py         `TokenLedger`: each rollout's calls token in, token out, and the records the trainer reads back
+    batcher.py        `Batcher`: the concurrent rollouts' requests generated together
+    policy_server.py  the endpoint agents call during training and validation: ledger and batcher behind HTTP
 
 `make_engine` picks one by name (`backend.generation_engine`).
 """

@@ -94,15 +94,15 @@ def test_rollouts_that_start_one_by_one_still_share_one_generate_call(tiny) -> N
         for chat in chats:  # one by one: each request is pending before the next is sent
             calls.append(asyncio.create_task(chat.chat([{"role": "user", "content": "Hi"}])))
             for _ in range(100_000):  # a bound on event-loop turns, not on time
-                if len(server._pending) == len(calls):
+                if len(server.batcher._pending) == len(calls):
                     break
                 await asyncio.sleep(0)
-            assert len(server._pending) == len(calls), "a request never reached the batcher"
-            timers.append(server._timer)
+            assert len(server.batcher._pending) == len(calls), "a request never reached the batcher"
+            timers.append(server.batcher._timer)
             if len(timers) > 1:  # this arrival cancelled the wait the previous one started, and started a new one
                 assert timers[-1] is not timers[-2] and timers[-2].cancelled() and not timers[-1].cancelled()
         assert server.generate_calls == 0  # nobody started a batch: the wait restarted with every arrival
-        server._start_batch()  # what the last timer would do once the wait ran out
+        server.batcher._start_batch()  # what the last timer would do once the wait ran out
         await asyncio.gather(*calls)
 
     asyncio.run(run_all())
@@ -274,18 +274,18 @@ def test_requests_whose_callers_were_cancelled_are_never_generated_for(tiny) -> 
     async def run_all() -> None:
         calls = [asyncio.create_task(chat.chat([{"role": "user", "content": "Hi"}])) for chat in chats]
         for _ in range(100_000):  # a bound on event-loop turns, not on time
-            if len(server._pending) == len(calls):
+            if len(server.batcher._pending) == len(calls):
                 break
             await asyncio.sleep(0)
-        server._start_batch()  # the first 2 generate; 2 wait
-        batch = server._batch_task
+        server.batcher._start_batch()  # the first 2 generate; 2 wait
+        batch = server.batcher._batch_task
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
         await asyncio.gather(batch, return_exceptions=True)  # its end would start the next batch
         for _ in range(1000):
             await asyncio.sleep(0)
-        server._start_batch()  # what a wait running out would do
+        server.batcher._start_batch()  # what a wait running out would do
 
     asyncio.run(run_all())
-    assert server.generate_calls == 1 and server._pending == []
+    assert server.generate_calls == 1 and server.batcher._pending == []
