@@ -1,12 +1,12 @@
 """Our agents in verl 0.9's agent loop: one rollout per `AgentLoop.run`, token in, token out, fail closed.
 
 verl's AgentLoopWorker calls `run(sampling_params, **row)` once per rollout with the dataset row's fields; the task
-rides in `row["extra_info"]["task"]` (JSON: `task_row`). The agent runs unchanged against the policy server that
-backend=trl uses (`inference/policy_server.py`), whose engine here is verl's LLM server client (`VerlServerEngine`):
-each model call is `server_manager.generate(request_id, prompt_ids=..., sampling_params=...)` with the ids the policy
-server built, so call k+1's prompt is call k's prompt + the ids sampled for it + the template's delta for the new
-messages. The rollout's calls become one sample (`backends/samples.py`), exactly as under backend=trl, with the
-sampler's log-probs (verl's `rollout_log_probs`, which its rollout correction reads).
+rides in `row["extra_info"]["task"]` (JSON: `task_row`). The agent runs unchanged against the token ledger that
+backend=trl's policy server uses (`inference/ledger.py`), whose calls here go to verl's LLM server client
+(`VerlServerEngine`): each model call is `server_manager.generate(request_id, prompt_ids=..., sampling_params=...)`
+with the ids the ledger built, so call k+1's prompt is call k's prompt + the ids sampled for it + the template's delta
+for the new messages. The rollout's calls become one sample (`backends/samples.py`), exactly as under backend=trl,
+with the sampler's log-probs (verl's `rollout_log_probs`, which its rollout correction reads).
 
 Fail closed: an excluded rollout (agent_error, reward_error, inexact, overflow) reaches verl's batch as one response
 token with response_mask 0, and `extra_fields["excluded"]` names why. It gets no gradient, and the advantage
@@ -20,6 +20,7 @@ worker process, not per rollout.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -36,7 +37,8 @@ from verl.trainer.ppo.core_algos import register_adv_est
 from agent.rollout import Agent, Reward, Rollout, run_rollouts
 from backends.samples import Sample, sample_of
 from inference.engine import Completion, finish
-from inference.policy_server import PolicyServer
+from inference.ledger import TokenLedger
+from inference.policy_server import rollout_chat
 from models.chat import ChatFormat
 
 # The name under which verl finds the loop (`agent_name` of each row, `agent.default_agent_loop`).
@@ -46,11 +48,9 @@ FAIL_CLOSED_GRPO = "grpo_fail_closed"
 
 
 class VerlServerEngine:
-    """verl's LLM server client as a continuous engine, for one rollout: every call goes out under the rollout's
-    request id (verl routes one id to one server, whose prefix cache then holds the conversation). The weights are
-    verl's business (its workers sync them into the servers), so `load`, `sleep` and `release` do nothing here."""
-
-    name = "verl"
+    """verl's LLM server client, for one rollout, with a continuous engine's `submit`: every call goes out under the
+    rollout's request id (verl routes one id to one server, whose prefix cache then holds the conversation). The
+    weights are verl's business (its workers sync them into the servers)."""
 
     def __init__(self, server_manager: Any, request_id: str, top_k: int = -1) -> None:
         self.server_manager = server_manager
@@ -58,15 +58,6 @@ class VerlServerEngine:
         self.top_k = top_k  # verl's rollout.top_k (-1: off)
         self.weight_steps: list[int] = []  # the global steps of the weights that answered each call (verl's tags)
         self.generate_s = 0.0  # seconds the rollout waited on its calls
-
-    def load(self, model: Any) -> None:
-        """verl's workers load the weights into its servers."""
-
-    def sleep(self) -> None:
-        """verl puts its servers to sleep."""
-
-    def release(self) -> None:
-        """verl owns its servers."""
 
     async def submit(
         self, prompt_ids: list[int], max_new_tokens: int, *, temperature: float, top_p: float, eos_ids: set[int]
@@ -149,23 +140,21 @@ class AgentLoop(AgentLoopBase):
         task = json.loads(row["extra_info"]["task"])
         request_id = uuid.uuid4().hex
         engine = VerlServerEngine(self.server_manager, request_id, int(sampling_params.get("top_k", -1)))
-        server = PolicyServer(
-            None,
+        ledger = TokenLedger(
             self.tokenizer,
+            self.chat_format,
             max_prompt_tokens=self.max_prompt_tokens,
             max_response_tokens=self.max_response_tokens,
-            engine=engine,
-            chat_format=self.chat_format,
-            eos_ids=self.eos_ids,
+            generate=functools.partial(engine.submit, eos_ids=self.eos_ids),
         )
         sampling: dict[str, Any] = {"temperature": sampling_params["temperature"], "top_p": sampling_params["top_p"]}
         if self.max_tokens_per_turn is not None:
             sampling["max_tokens"] = self.max_tokens_per_turn
-        chat = server.chat_model(request_id, sampling)
+        chat = rollout_chat(ledger, request_id, sampling)  # its HTTP surface is built only if an agent calls it
         [rollout] = await run_rollouts(
             self.agent, [task], lambda _i: chat, self.reward, reward_timeout_s=self.reward_timeout_s
         )
-        calls = server.pop_records(request_id)
+        calls = ledger.pop_records(request_id)
         sample = sample_of(rollout, calls, self.max_response_tokens, self.tokenizer.pad_token_id)
         # the weights' steps, as verl's own loops tag them (its staleness control reads them); no call: the row's
         steps = engine.weight_steps or [row.get("global_steps")]
