@@ -5,6 +5,7 @@ server that puts an OpenAI-compatible endpoint in front of them.
     hf.py             `HFGenerate`: transformers' `model.generate` (any model, any device; what TRL does)
     static.py         `StaticGenerate`: static KV cache + CUDA graphs for Qwen2/Qwen3/Llama (fixed batches)
     vllm.py           `VLLMEngine`: vLLM in this process, continuous batching, prefix caching, sleep/wake
+                      (`VLLMProcessEngine`: its engine core in a process of its own)
     ledger.py         `TokenLedger`: each rollout's calls token in, token out, and the records the trainer reads back
     batcher.py        `Batcher`: the concurrent rollouts' requests generated together
     policy_server.py  the endpoint agents call during training and validation: ledger and batcher behind HTTP
@@ -17,7 +18,7 @@ from __future__ import annotations
 from inference.engine import Engine
 from inference.hf import HFGenerate
 from inference.static import StaticGenerate
-from inference.vllm import VLLMEngine, VLLMSettings, require_vllm, vllm_available
+from inference.vllm import VLLMSettings, require_vllm, vllm_available, vllm_engine
 
 ENGINES = ("hf", "static", "vllm")
 
@@ -50,5 +51,5 @@ def make_engine(
         require_vllm(device)
         if vllm is None:
             raise ValueError("the vLLM engine needs its settings (VLLMSettings)")
-        return VLLMEngine(vllm)
+        return vllm_engine(vllm)
     raise ValueError(f"unknown generation engine {name!r} (known: auto, {', '.join(ENGINES)})")

@@ -19,10 +19,11 @@
   them a little every step). Merged weights rather than vLLM's LoRA adapters because generation then runs plain
   matrix products, as with full fine-tuning; the price is sending the full weights once per step, device to device.
 - Process: by default vLLM's engine runs inside this process (vLLM's external launcher, as TRL's colocate mode), its
-  scheduler and model runner sharing the trainer's Python interpreter lock. With `own_process` its engine core runs
-  in a process of its own on the same GPU (vLLM's multiprocess engine), and a weight load sends CUDA IPC handles of
-  the trainer's tensors (`inference/vllm_worker.py` loads them there, in buckets of `IPC_BUCKET_BYTES`): generation
-  then competes with the update for the GPU only, not for the interpreter (asynchronous rollouts). One rank only.
+  scheduler and model runner sharing the trainer's Python interpreter lock. With `own_process` (`VLLMProcessEngine`,
+  which `vllm_engine` builds) its engine core runs in a process of its own on the same GPU (vLLM's multiprocess
+  engine), and a weight load sends CUDA IPC handles of the trainer's tensors (`inference/vllm_worker.py` loads them
+  there, in buckets of `IPC_BUCKET_BYTES`): generation then competes with the update for the GPU only, not for the
+  interpreter (asynchronous rollouts). One rank only.
 - Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
   rollout phase frees all of it (level 2: weights and KV cache), so the update has it; the next `load` wakes vLLM.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import itertools
 import logging
 import os
@@ -94,7 +96,7 @@ class VLLMSettings:
     prefix_caching: bool = True  # reuse KV blocks of shared prefixes (turns re-send the conversation)
     sleep: bool = True  # free vLLM's GPU memory during the update (sleep level 2); woken by the next load
     enforce_eager: bool = False  # no CUDA graphs, no torch.compile (faster start, slower decode)
-    own_process: bool = False  # vLLM's engine core in a process of its own, weights sent as CUDA IPC handles
+    own_process: bool = False  # vLLM's engine core in a process of its own (`vllm_engine`: a VLLMProcessEngine)
     max_num_batched_tokens: int = 8192  # tokens per engine step (prefill chunks + decodes)
     seed: int = 0
     dtype: torch.dtype | None = None  # the weights' dtype in vLLM (None: the model's; FSDP2 trains fp32 masters)
@@ -110,25 +112,12 @@ class _Request:
     done: Callable[[Completion | BaseException], None]
 
 
-def _start_llm(model: PreTrainedModel, settings: VLLMSettings) -> Any:
-    """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones)."""
+def _start_llm(model: PreTrainedModel, settings: VLLMSettings, executor: Callable[[], dict[str, Any]]) -> Any:
+    """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones); `executor`
+    prepares where its engine runs and gives `LLM` the arguments that say so."""
     from vllm import LLM
 
-    if settings.own_process:  # vLLM's multiprocess engine: its engine core in a process of its own
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        where = {"worker_extension_cls": "inference.vllm_worker.SharedWeights"}
-    else:
-        # One process, one engine: vLLM's external launcher runs the engine in this process (so its model is
-        # reachable for load_weights); it reads the torchrun variables, defaulted here for a single process.
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        where = {"distributed_executor_backend": "external_launcher"}
+    where = executor()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = settings.dtype or next(base.parameters()).dtype
     config_dir = tempfile.mkdtemp(prefix="vllm-config-")
@@ -192,11 +181,12 @@ class VLLMEngine:
     def __init__(
         self,
         settings: VLLMSettings,
-        start: Callable[[PreTrainedModel, VLLMSettings], Any] = _start_llm,
+        start: Callable[[PreTrainedModel, VLLMSettings], Any] | None = None,
         sampling_params: Callable[[_Request], Any] = _sampling_params,
     ) -> None:
         self.settings = settings
-        self._start = start  # builds the LLM (the tests pass a fake one)
+        # builds the LLM (the tests pass a fake one)
+        self._start = start or functools.partial(_start_llm, executor=self._executor)
         self._sampling_params = sampling_params
         self._llm: Any = None
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -271,8 +261,6 @@ class VLLMEngine:
             self._inbox.put(None)
             self._thread.join(timeout=60)
             self._thread = None
-            if self.settings.own_process:  # its process ended with the thread: a later load starts a new one
-                self._llm = None
         for request in self._pending.values():
             request.done(RuntimeError("the vLLM engine was closed"))
         self._pending.clear()
@@ -365,18 +353,53 @@ class VLLMEngine:
         elif self._asleep:
             torch.cuda.empty_cache()  # what the trainer's allocator cached goes back before vLLM takes it again
             self._llm.wake_up(tags=["weights"])
-        if self.settings.own_process:
-            self._send_weights(model)
-        else:
-            runner = self._llm.llm_engine.model_executor.driver_worker.worker.model_runner
-            runner.model.load_weights(weights=full_weights(model))
+        self._load_weights(model)
         if self._asleep:
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         self._llm.reset_prefix_cache()  # blocks computed with the previous weights
         self.weight_loads += 1
 
-    def _send_weights(self, model: PreTrainedModel) -> None:
+    @staticmethod
+    def _executor() -> dict[str, Any]:
+        """One process, one engine: vLLM's external launcher runs the engine in this process (so its model is
+        reachable for load_weights); it reads the torchrun variables, defaulted here for a single process."""
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        return {"distributed_executor_backend": "external_launcher"}
+
+    def _load_weights(self, model: PreTrainedModel) -> None:
+        """`model`'s weights into vLLM's model, which runs in this process."""
+        runner = self._llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.model.load_weights(weights=full_weights(model))
+
+    def _sleep(self) -> None:
+        if not self._asleep:
+            self._llm.sleep(level=2)
+            self._asleep = True
+
+
+class VLLMProcessEngine(VLLMEngine):
+    """vLLM with its engine core in a process of its own on the same GPU (`backend.vllm_own_process`); the weights
+    cross as CUDA IPC handles. See the module docstring."""
+
+    @staticmethod
+    def _executor() -> dict[str, Any]:
+        """vLLM's multiprocess engine, its GPU worker extended to load weights from handles."""
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        return {"worker_extension_cls": "inference.vllm_worker.SharedWeights"}
+
+    def close(self) -> None:
+        super().close()
+        self._llm = None  # its process ended with the engine thread: a later load starts a new one
+
+    def _load_weights(self, model: PreTrainedModel) -> None:
         """The weights to vLLM's engine process as CUDA IPC handles, in buckets of about IPC_BUCKET_BYTES (a LoRA
         layer's merged copy lives until its bucket is loaded); each bucket is loaded when the call returns."""
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -399,10 +422,10 @@ class VLLMEngine:
         payload = pickle.dumps([(name, share(tensor)) for name, tensor in bucket])
         self._llm.collective_rpc("load_shared_weights", args=(payload,))
 
-    def _sleep(self) -> None:
-        if not self._asleep:
-            self._llm.sleep(level=2)
-            self._asleep = True
+
+def vllm_engine(settings: VLLMSettings, **kwargs: Any) -> VLLMEngine:
+    """The vLLM engine `settings` describe: in this process, or with `own_process` in a process of its own."""
+    return (VLLMProcessEngine if settings.own_process else VLLMEngine)(settings, **kwargs)
 
 
 def _completion(output: Any, request: _Request) -> Completion:

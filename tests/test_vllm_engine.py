@@ -21,7 +21,7 @@ from backends.samples import flatten
 from foundation.errors import ConfigError
 from inference import make_engine, resolve_engine
 from inference.policy_server import PolicyServer
-from inference.vllm import VLLMEngine, VLLMSettings
+from inference.vllm import VLLMEngine, VLLMSettings, vllm_engine
 from inference.weights import full_weights
 from jobs.config import build_components
 from tests.conftest import micro_tiny
@@ -118,7 +118,7 @@ def fake_engine(vocab: int = 300, **settings: Any) -> tuple[VLLMEngine, list[Fak
         started[-1].events.append(("start", s.max_model_len))
         return started[-1]
 
-    engine = VLLMEngine(VLLMSettings(max_model_len=512, **settings), start=start, sampling_params=lambda r: r)
+    engine = vllm_engine(VLLMSettings(max_model_len=512, **settings), start=start, sampling_params=lambda r: r)
     return engine, started
 
 
