@@ -7,6 +7,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping
+from datetime import date
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from foundation.errors import ConfigError
 from foundation.schema import declared
+from hydra_plugins.arl_aliases import ALIASES, REMOVE_ON
 from jobs.config import RunSettings, build_components, check_job, check_run, check_schema, check_study
 from tests.conftest import ROOT, launch
 
@@ -68,7 +70,7 @@ def test_every_option_composes_and_builds(group: str, option: str, spider_mini_d
 
 
 def test_model_presets_name_their_hub_ids() -> None:
-    hub_ids = {o: compose_with(f"model={o}").model.hub_id for o in options("model") if o not in RENAMED["model"]}
+    hub_ids = {o: compose_with(f"model={o}").model.hub_id for o in options("model")}
     assert hub_ids == {
         "tiny": None,
         "qwen3-0.6b": "Qwen/Qwen3-0.6B",
@@ -382,37 +384,25 @@ def test_the_pool_study_s_two_budget_conditions_differ_only_in_the_budget_and_de
     assert {c.name for c in families[0].comparisons}.isdisjoint(c.name for c in families[1].comparisons)
 
 
-# The names before 2026-11-26, kept for one release as aliases of the new ones (docs/evaluation.md, "Names")
-RENAMED = {
-    "model": {
-        "qwen7b": "qwen2.5-7b-instruct",
-        "qwen25_coder_1_5b": "qwen2.5-coder-1.5b-instruct",
-        "qwen25_coder_3b": "qwen2.5-coder-3b-instruct",
-        "qwen3_0_6b": "qwen3-0.6b",
-    },
-    "experiment": {
-        old: old.replace("_", "-")
-        for old in [f"ablation_{f}{t}" for f in ("check", "context", "models", "turns") for t in ("", "_tiny")]
-        + ["learn_gpu", "learn_pool_gpu"]
-    },
-}
-
-
-@pytest.mark.parametrize(("group", "old", "new"), [(g, o, n) for g, names in RENAMED.items() for o, n in names.items()])
+@pytest.mark.parametrize(("group", "old", "new"), [(g, o, n) for g, names in ALIASES.items() for o, n in names.items()])
 def test_an_old_name_composes_exactly_what_its_new_name_does(group: str, old: str, new: str) -> None:
     def composed(option: str) -> dict[str, Any]:
         config = OmegaConf.to_container(compose_with(f"{group}={option}"), resolve=False)
         assert isinstance(config, dict)
         return config | {"hydra": None}  # the overrides it records name the option
 
+    assert old not in options(group) and new in options(group)  # an alias, not a file beside its new name
     assert composed(old) == composed(new)
 
 
-@pytest.mark.parametrize("group", sorted(RENAMED))
+def test_the_old_names_go_on_their_date() -> None:
+    assert date.today() <= REMOVE_ON, f"conf/aliases.yaml: the old names were due to go on {REMOVE_ON}: delete them"
+
+
+@pytest.mark.parametrize("group", ["experiment", "model"])
 def test_presets_and_model_options_are_named_in_one_scheme(group: str) -> None:
-    """Lowercase words joined by hyphens (a dot inside a version: qwen2.5), the aliases aside."""
-    names = [name for name in options(group) if name not in RENAMED[group]]
-    assert [n for n in names if not re.fullmatch(r"[a-z0-9.]+(-[a-z0-9.]+)*", n)] == []
+    """Lowercase words joined by hyphens (a dot inside a version: qwen2.5); the old names are aliases, not files."""
+    assert [n for n in options(group) if not re.fullmatch(r"[a-z0-9.]+(-[a-z0-9.]+)*", n)] == []
 
 
 def test_a_config_recorded_before_the_warm_start_moved_still_builds_it() -> None:

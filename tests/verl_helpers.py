@@ -11,10 +11,7 @@ from omegaconf import DictConfig
 from tests.conftest import ROOT
 
 AGENTS = sorted(p.stem for p in (ROOT / "conf" / "agent").glob("*.yaml"))
-# the model options, not the old names kept as aliases for one release (their files say so on their first line)
-MODELS = sorted(
-    p.stem for p in (ROOT / "conf" / "model").glob("*.yaml") if not p.read_text().startswith("# The old name of")
-)
+MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))  # the old names are aliases, not files
 FINETUNES = sorted(p.stem for p in (ROOT / "conf" / "finetune").glob("*.yaml"))
 
 
