@@ -1,16 +1,35 @@
-"""Everything a training backend receives, already built from the config and validated."""
+"""Everything a training backend receives, already built from the config and validated, and what it reads of a data
+set (`Data`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from agent.rollout import Agent, Reward
 from backends.algorithm import GRPO
-from data.spider import SpiderData
 from foundation.run_dir import RunDir
 from models.finetune import Full, LoRA
 from models.hub import HubModel
+
+
+class Data(Protocol):
+    """A data set as a backend reads it (`conf/data/<name>.yaml`'s class: data/spider.py, med_qa.py, dbbench.py):
+    its tasks per phase (dicts its agent and metric read; a backend reads no field of them), the metric that scores
+    an answer, and the kind of task it holds (which agents answer it: jobs/config.py checks the pair)."""
+
+    name: str
+    task_kind: ClassVar[str]
+    split_seed: int  # the seed of every split of the tasks (validation from train, warm start / RL phases)
+
+    def train_tasks(self) -> list[dict[str, Any]]: ...
+
+    def val_tasks(self) -> list[dict[str, Any]]: ...
+
+    def test_tasks(self) -> list[dict[str, Any]]: ...
+
+    def metric(self) -> Callable[..., Any]: ...
 
 
 @dataclass
@@ -20,7 +39,7 @@ class TrainSetup:
     algorithm: GRPO
     agent: Agent
     reward: Reward
-    data: SpiderData
+    data: Data
     warmstart: Any
     seed: int
     run: RunDir

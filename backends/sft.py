@@ -107,16 +107,19 @@ class SFTWarmstart:
         return warm, rest
 
     def demonstrations(self, agent: Agent, tasks: list[dict[str, Any]], seed: int) -> list[Demonstration]:
-        """The agent's conversations on `tasks` against a scripted model that knows the answers."""
+        """The agent's conversations on `tasks` against a scripted model that knows the answers. A rewrite
+        demonstration's wrong first query is another task's gold query on the same database: only tasks that carry
+        both (`db_id`, `query`: SQL data sets) get one; the others are plain."""
         rng = random.Random(seed)
         by_db: dict[str, list[str]] = {}
         for task in tasks:
-            by_db.setdefault(task["db_id"], []).append(task["query"])
+            if "db_id" in task and "query" in task:
+                by_db.setdefault(task["db_id"], []).append(task["query"])
 
         def wrong_query(task: dict[str, Any]) -> str | None:
             if rng.random() >= self.rewrite_demo_fraction:
                 return None
-            others = [q for q in by_db[task["db_id"]] if q != task["query"]]
+            others = [q for q in by_db.get(task.get("db_id"), []) if q != task.get("query")]
             return rng.choice(others) if others else None
 
         replays = [ReplayChat(agent.oracle(task, wrong_query(task))) for task in tasks]

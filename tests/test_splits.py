@@ -196,3 +196,25 @@ def test_a_run_records_its_phases_task_ids_and_scores_the_test_split_at_the_end(
     demos = json.loads((control_dir / "summary.json").read_text())["sft_control_demos"]
     assert demos == {"tasks": "warmstart", "demonstrations": data["sft"]["demonstrations"]}
     assert json.loads((control_dir / "splits.json").read_text())["phases"] == phases  # the same split, recorded
+
+
+def test_a_warm_start_on_tasks_without_sql_fields_shows_plain_demonstrations() -> None:
+    """Rewrite demonstrations borrow another task's gold query on the same database: a data set whose tasks carry no
+    `db_id` / `query` gets plain ones (no wrong first query), never a KeyError at run time; SQL tasks still get them."""
+    asked: list[tuple[str, str | None]] = []
+
+    class Agent:
+        def oracle(self, task: dict[str, Any], wrong: str | None = None) -> list[Any]:
+            asked.append((task["id"], wrong))
+            return []
+
+        async def run(self, task: dict[str, Any], chat: Any) -> Any:
+            return type("Trajectory", (), {"error": "scripted only"})()
+
+    warm = SFTWarmstart(rewrite_demo_fraction=1.0)
+    assert warm.demonstrations(Agent(), [{"id": "a", "question": "?"}, {"id": "b", "question": "?"}], 0) == []
+    assert asked == [("a", None), ("b", None)]
+    asked.clear()
+    sql = [{"id": i, "db_id": "d", "query": f"SELECT {i}"} for i in ("a", "b")]
+    warm.demonstrations(Agent(), sql, 0)
+    assert asked == [("a", "SELECT b"), ("b", "SELECT a")]
