@@ -53,11 +53,13 @@ from analysis.verdicts import (
     declared_keys,
     estimate_of,
     look_note,
+    parse_override,
+    same_value,
     unit_of,
     value_column,
 )
 from foundation.run_dir import is_factor, override_key
-from foundation.stats import POWER, Comparison, Estimate, welch
+from foundation.stats import POWER, Comparison, Estimate
 from foundation.study import METRICS, WARM_START, Study
 
 matplotlib.use("Agg")
@@ -73,6 +75,11 @@ ELAPSED = "train/elapsed_s"  # training seconds, validation not counted
 def _last(metrics: list[dict[str, Any]], key: str) -> float | None:
     values = [m[key] for m in metrics if m.get(key) is not None]
     return values[-1] if values else None
+
+
+def _mean(metrics: list[dict[str, Any]], key: str) -> float | None:
+    values = [m[key] for m in metrics if m.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def gpus_of(run: Run) -> int | None:
@@ -146,6 +153,9 @@ def run_table(
                 "train_gpu_s": _train_gpu_s(run, gpus),
                 "gpu_s": _last(run.metrics, "compute/gpu_s"),  # training's and the pool's charge (backends/compute.py)
                 "tokens": _last(run.metrics, "train/num_tokens"),
+                "generated": _last(run.metrics, "compute/generated_tokens"),  # sampled by the run's rollouts
+                "step_s": _mean(run.metrics, "timing_s/step"),  # a training step's seconds, validation included
+                "rollout_s": _mean(run.metrics, "timing_s/rollout"),  # of which the rollouts' (and their rewards')
                 "flops": _last(run.metrics, "compute/flops"),
                 "budget_s": run.value("algorithm.time_budget_s"),
                 "budget_flops": run.value("algorithm.flops_budget"),
@@ -160,7 +170,7 @@ def run_table(
     table = pd.DataFrame(rows)
     numeric = ["val_initial", "val_final", "val_best", "test_final", "reward_final", "steps", "wall_s", "gpus"]
     numeric += ["gpu_hours", "tokens", "flops", "budget_s", "budget_flops", "budget_gpu_s"]
-    numeric += ["train_gpu_s", "gpu_s", *subset_metrics(table)]
+    numeric += ["train_gpu_s", "gpu_s", "generated", "step_s", "rollout_s", *subset_metrics(table)]
     table[numeric] = table[numeric].apply(pd.to_numeric)
     # controls first: the first value of a factor is its baseline, and a control is its factor's baseline
     return table.sort_values("arm", key=lambda arm: arm != CONTROL_ARM, kind="stable").reset_index(drop=True)
@@ -241,8 +251,21 @@ def _fmt_num(value: Any, digits: int = 3) -> str:
     return "n/a" if value is None or pd.isna(value) else f"{value:,.{digits}f}"
 
 
-def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: str) -> pd.DataFrame:
-    """Cells of `factor` against its baseline value, the other factors held fixed."""
+def factor_table(
+    table: pd.DataFrame,
+    factors: list[str],
+    factor: str,
+    metric: str,
+    study: Study | None = None,
+    declared_verdicts: list[Verdict] | None = None,
+) -> pd.DataFrame:
+    """The ablation table of `factor`: each value against its baseline value (its first), the other factors held
+    fixed. Per cell: `metric` with its 95% interval; Δ to the baseline paired by seed and warm start, at the
+    independent unit's level (`verdicts.compare`), with its interval, p and the Δ it could detect; the Holm-adjusted p
+    where the study declared that comparison on `metric` (`exploratory` where it did not); and what a run cost
+    (GPU-seconds, seconds a step, the rollouts' share of a step, tokens generated)."""
+    study = study or Study()
+    unit = unit_of(study)
     done = table[table.status == COMPLETED]
     others = [f for f in factors if f != factor]
     levels = list(dict.fromkeys(done[factor].map(repr)))
@@ -261,19 +284,50 @@ def factor_table(table: pd.DataFrame, factors: list[str], factor: str, metric: s
             row["n"] = len(runs)
             row[metric] = _fmt_estimate(estimate_of(runs, metric), metric)
             if level == levels[0]:
-                row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": "", "detectable Δ": ""}
+                row |= {"Δ vs baseline": "baseline", "95% CI of Δ": "", "p": "", "noise": "", "Holm p": ""}
+                row["detectable Δ"] = ""
             else:
-                c = welch(base[metric], runs[metric])
+                c = compare(base, runs, metric, unit=unit)
                 ci = f"[{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else "n/a"
+                judged = _declared_for(study, declared_verdicts or [], metric, factor, values[levels[0]], values[level])
                 row |= {
                     "Δ vs baseline": _fmt(c.diff, metric, True),
                     "95% CI of Δ": ci,
                     "p": _fmt_p(c.p),
                     "noise": c.flag,
+                    "Holm p": "exploratory" if judged is None else f"{_fmt_p(judged.p_holm)} ({judged.role})",
                     "detectable Δ": _fmt(c.detectable, metric) if c.detectable is not None else "n/a",
                 }
-            rows.append(row)
+            rows.append(row | _cost(runs))
     return pd.DataFrame(rows)
+
+
+def _declared_for(
+    study: Study, verdicts: list[Verdict], metric: str, factor: str, baseline: Any, level: Any
+) -> Verdict | None:
+    """The declared verdict on `metric` of `factor=level` against `factor=baseline`, where the study declared it."""
+    if metric != study.metric:
+        return None
+    for declaration, verdict in zip(study.comparisons, verdicts, strict=False):
+        sides = [parse_override(o) for o in (*declaration.treatment, *declaration.baseline)]
+        if len(sides) == 2 and all(key == factor for key, _ in sides):
+            (_, treated), (_, base) = sides
+            if same_value(level, treated) and same_value(baseline, base):
+                return verdict
+    return None
+
+
+def _cost(runs: pd.DataFrame) -> dict[str, str]:
+    """What a run of the cell cost, on average: GPU-seconds (training and any pool charged, else training seconds x
+    GPUs), seconds a step, the rollouts' share of a step, tokens generated."""
+    gpu_s = runs.gpu_s.mean() if runs.gpu_s.notna().any() else runs.train_gpu_s.mean()
+    share = runs.rollout_s.mean() / runs.step_s.mean() if runs.step_s.notna().any() else None
+    return {
+        "GPU-s/run": _fmt_num(gpu_s, 0),
+        "s/step": _fmt_num(runs.step_s.mean(), 2),
+        "rollout share": "n/a" if share is None or pd.isna(share) else f"{share:.0%}",
+        "generated tokens/run": _fmt_num(runs.generated.mean(), 0),
+    }
 
 
 def control_verdicts(
@@ -575,7 +629,8 @@ def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]
     factors = factor_keys(runs)
     table = run_table(runs, factors, study, study.metric if study.comparisons else metric)
     problems = table[table.status != COMPLETED][["run", "status", "error", "overrides"]].fillna("")
-    per_factor = {f: factor_table(table, factors, f, metric) for f in factors}
+    decl = declared(table, study, study.metric)
+    per_factor = {f: factor_table(table, factors, f, metric, study, decl) for f in factors}
     unit = unit_of(study)
     verdicts = control_verdicts(table, factors, metric, unit=unit)
     columns = subset_metrics(table, metric) if metric in SPLIT_METRICS else []
@@ -587,7 +642,6 @@ def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]
     ]
     cells = cell_table(table, factors, metric)
     pairs = treatment_pairs(table, factors, metric, unit=unit)
-    decl = declared(table, study, study.metric)
     return Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl), factors
 
 
@@ -643,8 +697,12 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
     for factor, table in report.factors.items():
         text = (
             f"Each `{factor}` value against the baseline `{factor}` (its first value), the other factors fixed. "
-            "Δ: difference of means (percentage points for accuracy); its 95% CI and p from Welch's t-test "
-            f"({EXPLORATORY}); `within noise` when that CI contains 0."
+            "Δ: difference of means (percentage points for accuracy) with its 95% CI, p and the |Δ| the test would "
+            f"detect with {POWER:.0%} power: paired by seed and warm start, at the warm start's level where seeds "
+            "share one (else Welch's t-test). Holm p: the comparison's adjusted p in the family the study declared, "
+            f"with its role; `exploratory` where it was not declared ({EXPLORATORY}). Cost per run: GPU-seconds "
+            "(the pool's sampling included where charged), seconds a step, the rollouts' share of a step, tokens "
+            "generated."
         )
         out.append((f"Factor `{factor}`", text, table if not table.empty else None))
     out.append(("Learning curves", "curves.png", None))

@@ -104,10 +104,11 @@ def value_column(key: str) -> str:
 
 
 def declared_keys(study: Study) -> list[str]:
-    return list(dict.fromkeys(_parse(o)[0] for c in study.comparisons for o in (*c.treatment, *c.baseline)))
+    return list(dict.fromkeys(parse_override(o)[0] for c in study.comparisons for o in (*c.treatment, *c.baseline)))
 
 
-def _parse(override: str) -> tuple[str, Any]:
+def parse_override(override: str) -> tuple[str, Any]:
+    """An override's key (or group) and its typed value: `agent.check_step=false` -> (`agent.check_step`, False)."""
     parsed = OverridesParser.create().parse_override(override)
     return parsed.key_or_group, parsed.value()
 
@@ -128,7 +129,7 @@ def matching(table: pd.DataFrame, overrides: list[str]) -> pd.DataFrame:
     """The rows whose values equal every override's (`algorithm=grpo`, `agent.check_step=false`)."""
     mask = pd.Series(True, index=table.index)
     for override in overrides:
-        key, value = _parse(override)
+        key, value = parse_override(override)
         mask &= table[value_column(key)].map(lambda v, want=value: same_value(v, want))
     return table[mask]
 

@@ -21,6 +21,9 @@ from analysis.runs import load_wandb
 SEED_RESULTS = {(2048, 1): 73.2, (2048, 3): 76.4, (4096, 1): 80.2, (4096, 3): 80.4}
 CHECK_STEP_RESULT = 77.6  # with the check step, at 4096 / 3 turns
 SPREAD = (-0.005, 0.0, 0.005)
+# which seed gets which offset, per cell of sweep A: every cell holds the same three values around its mean (its
+# interval stays 1.2), while the differences of cells paired by seed vary (a paired interval of 2.2 points)
+ROTATION = {(2048, 1): 0, (2048, 3): 1, (4096, 1): 1, (4096, 3): 2}
 # what each verdict line of `write_arm`'s runs ends with
 COST = "Training GPU-seconds per run: 181 vs 181; training FLOPs per run: 1.81e+15 vs 1.81e+15; " + (
     "equal budget: training seconds (180 s)."
@@ -79,7 +82,8 @@ def sweeps(tmp_path: Path) -> tuple[Path, Path]:
                 ok = {"status": "completed", "wall_s": 7200.0, "device": "cuda", "overrides": overrides}
                 value = SEED_RESULTS[(ctx, turns)] / 100
                 if seed < 3:
-                    write_run(a / str(num), overrides, config_of(ctx, turns, False, seed), ok, value + SPREAD[seed])
+                    offset = SPREAD[(seed + ROTATION[(ctx, turns)]) % 3]
+                    write_run(a / str(num), overrides, config_of(ctx, turns, False, seed), ok, value + offset)
                 elif (ctx, turns) in ((2048, 1), (4096, 3)):
                     failed = ok | {"status": "failed", "error": "OutOfMemoryError: CUDA out of memory\nTraceback..."}
                     write_run(a / str(num), overrides, config_of(ctx, turns, False, seed), failed, value)
@@ -232,12 +236,14 @@ def write_arm(
     test_final: float | None = None,
     items: dict[str, float] | None = None,
     extra: list[str] | None = None,
+    step_metrics: dict[str, float] | None = None,
 ) -> None:
     """A run of experiment=learn-gpu as the TRL backend writes it: validation after the warm start (step 0, no
     training seconds), then steps with `train/elapsed_s`; the control logs no reward. `subsets`: the last
     validation's accuracy per subset of the validation split. `warm_seed`: the run's `warmstart.seed` override, and a
     warm-start digest of its own. `analysis`: the study's declaration in its config; `test_final`: the final model's
-    test accuracy; `items`: each test question's score (`scores/test_final.json`); `extra`: more overrides."""
+    test accuracy; `items`: each test question's score (`scores/test_final.json`); `extra`: more overrides;
+    `step_metrics`: more of each step's metrics (timings, compute)."""
     overrides = [f"algorithm={arm}", f"seed={seed}"] + ([] if warm_seed is None else [f"warmstart.seed={warm_seed}"])
     overrides += extra or []
     (path / ".hydra").mkdir(parents=True)
@@ -245,6 +251,13 @@ def write_arm(
     config: dict[str, Any] = {"seed": seed, "algorithm": {"name": arm, "time_budget_s": 180.0}}
     config |= {} if warm_seed is None else {"warmstart": {"seed": warm_seed}}
     config |= {} if analysis is None else {"analysis": analysis}
+    for override in extra or []:  # in the config too, as Hydra composes it
+        key, value = override.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
     (path / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
     choices = {"algorithm": arm, "experiment": "learn-gpu"}
     (path / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": choices}}}))
@@ -256,7 +269,7 @@ def write_arm(
         line |= {f"val/{k}/n": 100 for k in (subsets or {}) if step == 20}
         line |= {"train/reward_mean": 0.4} if arm == "grpo" else {"sft/loss": 0.1}
         line |= {"test/accuracy": test_final} if test_final is not None and step == 20 else {}
-        lines.append(line)
+        lines.append(line | (step_metrics or {}))
     if items is not None:
         (path / "scores").mkdir()
         (path / "scores" / "test_final.json").write_text(json.dumps(items))
@@ -654,3 +667,45 @@ def test_runs_without_a_declaration_do_not_join_a_declared_study(tmp_path: Path)
     write_study(tmp_path / "older", None, STEADY)
     with pytest.raises(ValueError, match="27 runs declare no analysis"):
         report.build(report.load([str(tmp_path / "declared"), str(tmp_path / "older")]))
+
+
+def test_the_ablation_table_pairs_by_warm_start_shows_the_declared_holm_p_and_the_cost(tmp_path: Path) -> None:
+    """An ablation of the check step from three warm starts x two seeds, declared: the factor's table has each cell
+    with its interval, Δ paired at the warm start's level, the declared comparison's Holm-adjusted p and role, and
+    what a run cost (GPU-seconds, seconds a step, the rollouts' share, tokens generated)."""
+    analysis = {
+        "metric": "test_final",
+        "cluster": "warm_start",
+        "comparisons": [
+            {"name": "no_check", "treatment": ["agent.check_step=false"], "baseline": ["agent.check_step=true"]},
+            {"name": "one_turn", "treatment": ["agent.max_turns=1"], "baseline": ["agent.max_turns=3"]},
+        ],
+    }
+    num = 0
+    for warm in range(3):
+        for seed in (2 * warm, 2 * warm + 1):
+            for check, value, step_s in ((True, 0.40, 6.0), (False, 0.30 + 0.02 * warm + 0.01 * (seed % 2), 4.0)):
+                cost = {"timing_s/step": step_s, "timing_s/rollout": step_s / 2, "compute/gpu_s": 60 * step_s}
+                write_arm(
+                    tmp_path / "study" / str(num),
+                    "grpo",
+                    seed,
+                    0.5,
+                    warm_seed=warm,
+                    analysis=analysis,
+                    test_final=value,
+                    extra=[f"agent.check_step={str(check).lower()}"],
+                    step_metrics=cost | {"compute/generated_tokens": 1000 * step_s},
+                )
+                num += 1
+    md = (report.main([str(tmp_path / "study")]) / "report.md").read_text()
+    rows = {r["agent.check_step"]: r for r in table_rows(out_tables(md)["agent.check_step"])}
+    assert rows["True"]["Δ vs baseline"] == "baseline" and rows["True"]["test_final"] == "40.0 ± 0.0"
+    no_check = rows["False"]
+    assert no_check["Δ vs baseline"] == "-7.5" and no_check["noise"] == "beyond noise"
+    # 3 warm starts, not 6 pairs: t(2) over the warm starts' mean differences -9.5, -7.5, -5.5
+    per_warm = stats.ttest_1samp([-0.095, -0.075, -0.055], 0.0).confidence_interval()
+    assert no_check["95% CI of Δ"] == f"[{per_warm.low * 100:+.1f}, {per_warm.high * 100:+.1f}]"
+    assert no_check["Holm p"].endswith("(primary)")  # its declared verdict, adjusted over the family of two
+    assert (no_check["GPU-s/run"], no_check["s/step"], no_check["rollout share"]) == ("240", "4.00", "50%")
+    assert no_check["generated tokens/run"] == "4,000" and rows["True"]["GPU-s/run"] == "360"
