@@ -137,3 +137,42 @@ def test_a_tiny_grid_goes_from_launch_to_report(
         data = path.read_bytes()
         leaked = [name for name, value in secrets.items() if value.encode() in data]
         assert not leaked, f"{leaked} in {path}"
+
+
+POOL_CELLS = {  # experiment=learn-pool-gpu-ablations: the baseline cell and one factor changed in each other cell
+    "baseline": [],
+    "no_check_step": ["agent.check_step=false"],
+    "one_turn": ["agent.max_turns=1"],
+    "short_context": ["algorithm.max_response_length=256"],
+}
+
+
+def test_the_pool_world_s_ablations_declare_each_cell_against_the_baseline_cell(spider_mini_dir: Path) -> None:
+    """Each declared comparison's sides are exactly two of the four cells the preset's launches run (every other
+    factor at its baseline value, so no other cell matches either side), GRPO only, every cell valid."""
+    values = {}
+    for cell, overrides in POOL_CELLS.items():
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(
+                "config",
+                overrides=["experiment=learn-pool-gpu-ablations", *overrides, f"data.spider_dir={spider_mini_dir}"],
+                return_hydra_config=True,
+            )
+        built = build_components(cfg)
+        assert built["algorithm"].name == "grpo" and str(cfg.hydra.sweeper.params.algorithm) == "grpo"
+        a = built["agent"]
+        values[cell] = {
+            "agent.check_step": a.check_step,
+            "agent.max_turns": a.max_turns,
+            "algorithm.max_response_length": built["algorithm"].max_response_length,
+        }
+    study = check_study(cfg.analysis)
+    parse = OverridesParser.create().parse_override
+
+    def cells_matching(side: list[str]) -> list[str]:
+        want = {parse(o).key_or_group: parse(o).value() for o in side}
+        return [c for c, v in values.items() if all(v[k] == w for k, w in want.items())]
+
+    assert [(c.name, cells_matching(c.treatment), cells_matching(c.baseline)) for c in study.comparisons] == [
+        (name, [name], ["baseline"]) for name in ("no_check_step", "one_turn", "short_context")
+    ]
