@@ -289,7 +289,10 @@ def factor_table(
             else:
                 c = compare(base, runs, metric, unit=unit)
                 ci = f"[{_fmt(c.low, metric, True)}, {_fmt(c.high, metric, True)}]" if c.low is not None else "n/a"
-                judged = _declared_for(study, declared_verdicts or [], metric, factor, values[levels[0]], values[level])
+                where = dict(zip(others, context, strict=True))
+                judged = _declared_for(
+                    study, declared_verdicts or [], metric, factor, values[levels[0]], values[level], where
+                )
                 row |= {
                     "Δ vs baseline": _fmt(c.diff, metric, True),
                     "95% CI of Δ": ci,
@@ -303,17 +306,32 @@ def factor_table(
 
 
 def _declared_for(
-    study: Study, verdicts: list[Verdict], metric: str, factor: str, baseline: Any, level: Any
+    study: Study,
+    verdicts: list[Verdict],
+    metric: str,
+    factor: str,
+    baseline: Any,
+    level: Any,
+    context: dict[str, Any],
 ) -> Verdict | None:
-    """The declared verdict on `metric` of `factor=level` against `factor=baseline`, where the study declared it."""
+    """The declared verdict on `metric` of `factor=level` against `factor=baseline` with the other factors at
+    `context`'s values: a declaration whose sides differ in `factor` alone and agree with `context` on what they
+    share (`[agent.check_step=false, agent.max_turns=3]` against `[agent.check_step=true, agent.max_turns=3]`)."""
     if metric != study.metric:
         return None
     for declaration, verdict in zip(study.comparisons, verdicts, strict=False):
-        sides = [parse_override(o) for o in (*declaration.treatment, *declaration.baseline)]
-        if len(sides) == 2 and all(key == factor for key, _ in sides):
-            (_, treated), (_, base) = sides
-            if same_value(level, treated) and same_value(baseline, base):
-                return verdict
+        treated, base = (
+            {k: v for k, v in map(parse_override, side)} for side in (declaration.treatment, declaration.baseline)
+        )
+        if treated.keys() != base.keys() or factor not in treated:
+            continue
+        shared = {k: v for k, v in base.items() if k != factor}
+        if any(not same_value(treated[k], v) for k, v in shared.items()):
+            continue
+        if not (same_value(level, treated[factor]) and same_value(baseline, base[factor])):
+            continue
+        if all(same_value(context[k], v) for k, v in shared.items() if k in context):
+            return verdict
     return None
 
 

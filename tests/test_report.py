@@ -709,3 +709,37 @@ def test_the_ablation_table_pairs_by_warm_start_shows_the_declared_holm_p_and_th
     assert no_check["Holm p"].endswith("(primary)")  # its declared verdict, adjusted over the family of two
     assert (no_check["GPU-s/run"], no_check["s/step"], no_check["rollout share"]) == ("240", "4.00", "50%")
     assert no_check["generated tokens/run"] == "4,000" and rows["True"]["GPU-s/run"] == "360"
+
+
+def test_one_at_a_time_cells_find_their_declarations_in_each_factor_s_table(tmp_path: Path) -> None:
+    """A baseline cell and one factor changed in each other cell, declared with every factor named on both sides
+    (as experiment=learn-pool-gpu-ablations does): each factor's table shows its own declaration's Holm p."""
+    base = ["agent.check_step=true", "agent.max_turns=3"]
+    analysis = {
+        "metric": "test_final",
+        "comparisons": [
+            {"name": "no_check", "treatment": ["agent.check_step=false", "agent.max_turns=3"], "baseline": base},
+            {"name": "one_turn", "treatment": ["agent.check_step=true", "agent.max_turns=1"], "baseline": base},
+        ],
+    }
+    cells = {"baseline": (base, 0.40), "no_check": (["agent.check_step=false", "agent.max_turns=3"], 0.30)}
+    cells["one_turn"] = (["agent.check_step=true", "agent.max_turns=1"], 0.38)
+    num = 0
+    for warm in range(3):
+        for seed in (2 * warm, 2 * warm + 1):
+            for overrides, value in cells.values():
+                value += 0.01 * warm + 0.005 * seed * (overrides != base)
+                write_arm(
+                    tmp_path / "s" / str(num), "grpo", seed, 0.5, warm_seed=warm, analysis=analysis, test_final=value,
+                    extra=overrides,
+                )  # fmt: skip
+                num += 1
+    built, _ = report.build(report.load([str(tmp_path / "s")]))
+    holm = {v.name: v.p_holm for v in built.declared}
+    check = built.factors["agent.check_step"]
+    assert list(check["Holm p"]) == ["", f"{holm['no_check']:.3f} (primary)"]
+    turns = built.factors["agent.max_turns"]
+    assert list(turns["agent.max_turns"]) == [3, 1] and list(turns["Holm p"]) == [
+        "",
+        f"{holm['one_turn']:.3f} (primary)",
+    ]
