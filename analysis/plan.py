@@ -2,7 +2,8 @@
 
     python -m analysis.plan <pilot run or sweep dirs> --mde 5 [--power 0.8] [--out DIR]
 
-For each comparison the pilot's runs declare (`analysis.comparisons`; `--treatment`/`--baseline` name one otherwise),
+For each comparison the pilot's runs declare (`analysis.comparisons`; `--treatment`/`--baseline` name one otherwise;
+with `--experiment` too, that one stands in for each comparison the preset declares, at the preset's family size),
 the pilot's paired differences on the declared metric give two variance components (foundation.stats): between
 clusters (warm starts: what a new warm start would change) and within them (seeds). A study of k clusters x m seeds
 then estimates the difference with standard error sqrt((between + within / m) / k) on k - 1 degrees of freedom; the
@@ -100,9 +101,11 @@ def main(argv: list[str] | None = None) -> str:
     if not runs:
         parser.error(f"no runs found under {' '.join(args.sources)}")
     study = declared_by(args.experiment) if args.experiment else study_of(runs)
+    family = len(study.comparisons) if args.experiment else 1  # a given comparison stands in for the preset's each
     if args.treatment or args.baseline:
         study = dataclasses.replace(study, comparisons=[Declared("given", args.treatment, args.baseline)])
     comparisons = study.comparisons
+    family = max(family, len(comparisons))
     if not comparisons:
         parser.error(
             "the pilot's runs declare no comparison (analysis.comparisons): name one with --treatment/--baseline"
@@ -110,13 +113,18 @@ def main(argv: list[str] | None = None) -> str:
     metric = args.metric
     table = run_table(runs, factor_keys(runs), study, metric)
     scale = 100.0 if is_accuracy(metric) else 1.0
-    alpha = study.alpha / len(comparisons)  # Holm's strictest step: a plan that holds for every comparison
+    alpha = study.alpha / family  # Holm's strictest step: a plan that holds for every comparison
     lines = [
         f"# Study plan from a pilot ({', '.join(args.sources)}"
-        + (f"; the comparisons experiment={args.experiment} declares)" if args.experiment else ")"),
+        + (f"; the comparisons experiment={args.experiment} declares)" if args.experiment else ")")
+        + (
+            f"\n\n`given` ({' '.join(args.treatment)} against {' '.join(args.baseline)}) stands in for each of them."
+            if args.experiment and (args.treatment or args.baseline)
+            else ""
+        ),
         "",
         f"Metric `{metric}`; effect to detect {args.mde:g}{' points' if scale == 100 else ''} with "
-        f"{args.power:.0%} power at alpha {study.alpha:g} / {len(comparisons)} comparisons = {alpha:.4f} "
+        f"{args.power:.0%} power at alpha {study.alpha:g} / {family} comparisons = {alpha:.4f} "
         "(two-sided, at the cluster level).",
         "",
     ]

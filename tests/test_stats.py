@@ -130,3 +130,18 @@ def test_the_plan_takes_the_family_a_preset_declares(tmp_path: Path) -> None:
     assert "the comparisons experiment=learn-pool-gpu-v2 declares" in text and "0.05 / 3 comparisons" in text
     for name in ("grpo_vs_gold_sft", "grpo_vs_rft", "grpo_vs_no_new_data"):
         assert f"## {name}\n\nPilot: 6 pairs in 3 clusters" in text
+
+
+def test_a_given_comparison_stands_in_for_each_of_a_preset_s_family(tmp_path: Path) -> None:
+    """A pilot without the preset's cells: a comparison it has stands in for each of the three the preset declares,
+    planned at alpha / 3, not / 1."""
+    num = 0
+    for warm in range(3):
+        for i in range(2):
+            for arm, gain in (("grpo", 0.0), ("rft", 0.02 * i + 0.01 * warm)):
+                write_arm(tmp_path / "pilot" / str(num), arm, 2 * warm + i, 0.3 + gain, warm_seed=warm)
+                num += 1
+    args = ["--mde", "5", "--experiment", "learn-pool-gpu-ablations", "--treatment", "algorithm=rft"]
+    text = plan_cli.main([str(tmp_path / "pilot"), *args, "--baseline", "algorithm=grpo"])
+    assert "0.05 / 3 comparisons = 0.0167" in text and "stands in for each of them" in text
+    assert "## given\n\nPilot: 6 pairs in 3 clusters" in text
