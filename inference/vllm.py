@@ -184,6 +184,11 @@ class VLLMEngine:
         start: Callable[[PreTrainedModel, VLLMSettings], Any] | None = None,
         sampling_params: Callable[[_Request], Any] = _sampling_params,
     ) -> None:
+        if settings.own_process != isinstance(self, VLLMProcessEngine):  # the class is what runs it: vllm_engine picks
+            raise ValueError(
+                f"VLLMSettings.own_process={settings.own_process}: build it with vllm_engine(settings), "
+                f"not {type(self).__name__}"
+            )
         self.settings = settings
         # builds the LLM (the tests pass a fake one)
         self._start = start or functools.partial(_start_llm, executor=self._executor)
