@@ -1,5 +1,5 @@
-"""logger=wandb: validated with the other groups, offline without a key, no environment value in what it sends, and
-never the cause of a failed run."""
+"""logger=wandb and logger=swanlab: validated with the other groups, offline without a key, no environment value in
+what they send, and never the cause of a failed run."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import yaml
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from jobs.config import build_group
-from jobs.tracking import WandbLogger, env_free_config, swept_keys
-from tests.conftest import closed_port, launch
+from jobs.tracking import SwanLabLogger, WandbLogger, env_free_config, swept_keys
+from tests.conftest import FAST_RUN, closed_port, launch
 from tests.test_config import compose_with
 
 
@@ -110,3 +110,39 @@ def test_an_unreachable_wandb_server_does_not_fail_the_run(tmp_path: Path) -> No
     assert error.startswith("WandbLogger.start: ")
     assert "tracking off" in result.stderr
     assert not [p for p in run_dir.rglob("*") if p.is_file() and key in p.read_text(errors="ignore")]
+
+
+def test_swanlab_builds_from_its_group_and_is_offline_without_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    logger = build_group(compose_with("logger=swanlab", "logger.project=p", "logger.tags=[a]"), "logger")
+    assert isinstance(logger, SwanLabLogger) and logger.project == "p" and logger.tags == ["a"]
+    with pytest.raises(ConfigError, match=r"logger\.mode"):
+        build_group(compose_with("logger=swanlab", "logger.mode=cloudy"), "logger")
+    for name in ("SWANLAB_API_KEY", "SWANLAB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert SwanLabLogger().resolved_mode() == "offline"
+    monkeypatch.setenv("SWANLAB_API_KEY", "k")
+    assert SwanLabLogger().resolved_mode() == "online" and SwanLabLogger(mode="local").resolved_mode() == "local"
+    monkeypatch.setenv("SWANLAB_MODE", "disabled")
+    assert SwanLabLogger().resolved_mode() == "disabled"
+
+
+@pytest.mark.integration
+def test_a_smoke_run_with_swanlab_writes_an_offline_run_and_no_secret(tmp_path: Path) -> None:
+    """No key: an offline SwanLab run under <run>/swanlog/ holding the step metrics; metrics.jsonl as ever; no key,
+    token or endpoint from the environment in any file the run or SwanLab wrote."""
+    secrets = {"SWANLAB_API_KEY": "", "OPENAI_API_KEY": "sentinel-openai-5c1d", "JUDGE_API_KEY": "sentinel-judge-5c1d"}
+    secrets |= {"JUDGE_BASE_URL": "https://u:sentinel-url-5c1d@judge/v1", "HOME": str(tmp_path / "home")}
+    run_dir = tmp_path / "run"
+    args = [*FAST_RUN, "algorithm.max_steps=2", "logger=swanlab", f"hydra.run.dir={run_dir}"]
+    result = launch(args, tmp_path / "cache", tmp_path, env=secrets)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["tracking_errors"] == []
+    (record,) = (run_dir / "swanlog").glob("run-*/run-*.swanlab")
+    data = record.read_bytes()
+    assert b"train/reward_mean" in data and b"val/accuracy" in data
+    config = next((run_dir / "swanlog").glob("run-*/files/config.yaml")).read_text()
+    assert "hydra_overrides" in config and "logger=swanlab" in config  # the composed config, with what chose it
+    written = [p for root in (run_dir, tmp_path / "home") for p in root.rglob("*") if p.is_file()]
+    leaked = [p for p in written for v in secrets.values() if "sentinel" in v and v.encode() in p.read_bytes()]
+    assert not leaked
