@@ -283,6 +283,7 @@ FREE_TEXT = {
     "LLMJudge": {"base_url", "model", "rubric", "api_key_env"},
     "RewardModelReward": {"base_url"},
     "WandbLogger": {"project", "entity"},
+    "SwanLabLogger": {"project", "workspace"},
     "DPOJob": {"pairs"},
     "RewardModelTrainJob": {"pairs"},
     "RewardModelServeJob": {"model_path", "host"},

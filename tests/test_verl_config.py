@@ -21,6 +21,20 @@ VERL = ["backend=verl", "model=tiny", "warmstart=none", "algorithm.pool_samples=
 DATA = ["data.generate.n_train=24", "data.generate.n_dev=4"]
 
 
+def test_the_tiny_model_validates_on_verl_without_extra_overrides(tmp_path: Path) -> None:
+    """`backend=verl model=tiny`: verl has no pool, so its option drops model=tiny's; asked for, a pool is refused."""
+    run_dir = tmp_path / "run"
+    result = launch(
+        ["backend=verl", "model=tiny", *DATA, "job=validate", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (run_dir / "verl_config.yaml").is_file()
+    asked = launch(
+        ["backend=verl", "model=tiny", *DATA, "job=validate", "algorithm.pool_samples=8"], tmp_path / "c", tmp_path
+    )
+    assert asked.returncode != 0 and "algorithm.pool_samples=8" in asked.stderr
+
+
 def test_validate_writes_verls_inputs_and_config_from_ours(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*VERL, *DATA, "job=validate", "algorithm.group_size=8", "algorithm.is_correction=sequence_truncate"]
