@@ -41,6 +41,21 @@ GRPO="algorithm=grpo algorithm.learning_rate=1e-4"
 RFT="algorithm=rft algorithm.learning_rate=1e-4"
 CONT="algorithm=sft_continue algorithm.sft_learning_rate=3e-3"
 GOLD="algorithm=sft_ceiling algorithm.sft_learning_rate=1e-3"
+arm() {  # each arm at the learning rate the tuning stage chose
+  case $1 in grpo) echo "$GRPO" ;; rft) echo "$RFT" ;; cont) echo "$CONT" ;; gold) echo "$GOLD" ;; esac
+}
+run_arms() {  # run_arms PRESET PREFIX ARM...: WS0's runs on GPU 0, WS1's on GPU 1; WS2's first half of the arms on
+  # GPU 0, its second half on GPU 1 (every GPU the same number of runs); each arm's seeds 2W and 2W+1
+  local preset=$1 prefix=$2 i=0 half
+  shift 2
+  half=$(( ($# + 1) / 2 ))
+  for a in "$@"; do
+    sweep 0 $prefix-ws$WS0-$a $preset $(ws $WS0) $(seeds $WS0) $(arm $a)
+    [ -n "${WS1:-}" ] && sweep 1 $prefix-ws$WS1-$a $preset $(ws $WS1) $(seeds $WS1) $(arm $a)
+    [ -n "${WS2:-}" ] && sweep $(( i < half ? 0 : 1 )) $prefix-ws$WS2-$a $preset $(ws $WS2) $(seeds $WS2) $(arm $a)
+    i=$((i + 1))
+  done
+}
 M="experiment=learn-pool-gpu-v2"
 T="experiment=learn-pool-gpu-v2-tune"
 G="experiment=learn-pool-gpu-v2-gpu-s"
@@ -55,28 +70,9 @@ case $MODE in
       esac
       gpu=$((gpu + 1))
     done ;;
-  main-sft)
-    sweep 0 main-ws$WS0-cont $M $(ws $WS0) $(seeds $WS0) $CONT
-    sweep 0 main-ws$WS0-gold $M $(ws $WS0) $(seeds $WS0) $GOLD
-    sweep 0 main-ws$WS2-cont $M $(ws $WS2) $(seeds $WS2) $CONT
-    sweep 1 main-ws$WS1-cont $M $(ws $WS1) $(seeds $WS1) $CONT
-    sweep 1 main-ws$WS1-gold $M $(ws $WS1) $(seeds $WS1) $GOLD
-    sweep 1 main-ws$WS2-gold $M $(ws $WS2) $(seeds $WS2) $GOLD ;;
-  main-rl)
-    sweep 0 main-ws$WS0-grpo $M $(ws $WS0) $(seeds $WS0) $GRPO
-    sweep 0 main-ws$WS0-rft $M $(ws $WS0) $(seeds $WS0) $RFT
-    sweep 0 main-ws$WS2-grpo $M $(ws $WS2) $(seeds $WS2) $GRPO
-    sweep 1 main-ws$WS1-grpo $M $(ws $WS1) $(seeds $WS1) $GRPO
-    sweep 1 main-ws$WS1-rft $M $(ws $WS1) $(seeds $WS1) $RFT
-    sweep 1 main-ws$WS2-rft $M $(ws $WS2) $(seeds $WS2) $RFT ;;
-  gpu-s)
-    for arm in grpo rft cont gold; do
-      case $arm in grpo) A=$GRPO ;; rft) A=$RFT ;; cont) A=$CONT ;; gold) A=$GOLD ;; esac
-      sweep 0 gpu-s-ws$WS0-$arm $G $(ws $WS0) $(seeds $WS0) $A
-      sweep 1 gpu-s-ws$WS1-$arm $G $(ws $WS1) $(seeds $WS1) $A
-      case $arm in grpo | cont) g=0 ;; *) g=1 ;; esac
-      [ -n "${WS2:-}" ] && sweep $g gpu-s-ws$WS2-$arm $G $(ws $WS2) $(seeds $WS2) $A
-    done ;;
+  main-sft) run_arms $M main cont gold ;;
+  main-rl) run_arms $M main grpo rft ;;
+  gpu-s) run_arms $G gpu-s grpo cont rft gold ;;
   *) echo "unknown MODE=$MODE"; exit 2 ;;
 esac
 wait "${pids[@]}"
