@@ -30,6 +30,9 @@ class OpenAIChat:
     client: AsyncOpenAI
     model: str
     sampling: dict[str, Any] = field(default_factory=dict)
+    # The ASGI app behind `client` when it reaches its server in process (no socket), else None: agent=lit serves it
+    # on a loopback port for agents that bring their own client (agent/loopback.py).
+    app: Any = field(default=None, kw_only=True, repr=False)
 
     @classmethod
     def connect(
@@ -44,7 +47,8 @@ class OpenAIChat:
     ) -> OpenAIChat:
         http_client = httpx.AsyncClient(transport=transport, timeout=timeout_s) if transport else None
         client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
-        return cls(client=client, model=model, sampling=dict(sampling or {}))
+        app = transport.app if isinstance(transport, httpx.ASGITransport) else None
+        return cls(client=client, model=model, sampling=dict(sampling or {}), app=app)
 
     async def chat(self, messages: list[Message]) -> str:
         response = await self.client.chat.completions.create(model=self.model, messages=messages, **self.sampling)

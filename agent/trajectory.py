@@ -23,6 +23,8 @@ class Trajectory:
     error: str | None = None
     # For agents that write (DB-bench): the rows of the task's table when the rollout ended.
     db_state: list[list[Any]] | None = None
+    # For agents that score themselves (agent=lit: what a LitAgent's rollout returned); None: none, or missing.
+    agent_reward: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -114,7 +114,8 @@ def rollout_chat(
     )
     if wire:
         return http
-    return ServerChat(http.client, http.model, http.sampling, functools.partial(ledger.complete, rollout_id))
+    complete = functools.partial(ledger.complete, rollout_id)
+    return ServerChat(http.client, http.model, http.sampling, complete, app=http.app)
 
 
 class PolicyServer:

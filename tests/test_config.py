@@ -180,6 +180,7 @@ def test_cfg_job_prints_the_composed_config(tmp_path: Path) -> None:
         ("spider_sql", "spider_mini", "exec_match"),
         ("med_sql", "med_qa", "answer_match"),
         ("dbbench", "dbbench", "dbbench_match"),
+        ("lit", "spider_mini", "agent_reward"),
     ],
 )
 def test_an_agent_brings_its_data_and_reward(agent: str, data: str, reward: str) -> None:
@@ -270,6 +271,7 @@ def test_every_declared_range_and_choice_is_checked_naming_its_key(schema: str) 
 FREE_TEXT = {
     "DBBenchAgent": {"system_prompt", "task_prompt", "invalid_action_text"},
     "MedSQLAgent": {"instructions", "tool_description"},
+    "LitAgentRunner": {"cls"},  # a class, package.module:Class
     "SpiderSQLAgent": {"system_prompt", "write_prompt", "check_prompt", "rewrite_prompt", "no_query_text", "dialect"},
     "VerlBackend": {"project_name"},
     "TRLBackend": {"device"},  # a torch device: auto, cpu, cuda, cuda:1, ...
