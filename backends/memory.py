@@ -228,6 +228,16 @@ class DeviceMemory:
         }
 
 
+def gpu_memory_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Each step's `gpu_memory/*` from every rank's DeviceMemory summary: the peak so far over all ranks, overall and
+    per phase (rollout: the engine awake; update: the trainer's), in GB. A run stopped before its summary is written
+    keeps them in metrics.jsonl."""
+    metrics = {"gpu_memory/peak_gb": max(r["peak_gb"] for r in ranks)}
+    for phase in dict.fromkeys(p for r in ranks for p in r["phase_peak_gb"]):
+        metrics[f"gpu_memory/{phase}_peak_gb"] = max(r["phase_peak_gb"].get(phase, 0.0) for r in ranks)
+    return metrics
+
+
 class _NVMLMemory(ctypes.Structure):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 

@@ -11,7 +11,8 @@ import pytest
 
 from backends.algorithm import GRPO, SFTControl
 from backends.compute import ComputeCount
-from backends.trl.backend import _Budget, _StepLog
+from backends.trl.callbacks import ControlLog, StepLog
+from backends.trl.clock import Clock
 from backends.verl.config import check_algorithm
 from foundation.errors import ConfigError
 
@@ -64,9 +65,8 @@ def test_a_gpu_seconds_budget_ends_grpo_at_the_first_step_end_past_it() -> None:
     compute = ComputeCount(N, 6, ranks=2)
     rollouts = SimpleNamespace(last_stats={}, last_tokens={"trained": 10, "generated": 2, "prefill": 8}, memory=None)
     validated: list[str] = []
-    step_log = _StepLog(
-        SimpleNamespace(algorithm=algo, run=None), rollouts, lambda m, when: validated.append(when) or {}, compute
-    )
+    clock = Clock(algo, algo.val_every, compute)
+    step_log = StepLog(None, clock, rollouts, lambda m, when: validated.append(when) or {}, None)
     assert steps(step_log, compute, [0.0, 25.0, 25.0], max_steps=100) == [False, False, True]
     assert validated == ["final"] and compute.gpu_s >= 100.0 and compute.prefill == 3 * 8
 
@@ -79,8 +79,7 @@ def test_a_gpu_seconds_budget_ends_the_control_and_counts_the_pool_charge() -> N
     compute.charge_pool(flops=0.0, gpu_s=60.0)
     logged: list[dict[str, Any]] = []
     run = SimpleNamespace(log=lambda step, metrics: logged.append({"step": step, **metrics}))
-    budget = _Budget(SimpleNamespace(algorithm=algo, run=run), lambda m, when: {}, compute)
-    budget.tokens_seen = lambda: 100.0
+    budget = ControlLog(run, Clock(algo, algo.sft_val_every, compute), lambda m, when: {}, lambda: 100.0)
     assert steps(budget, compute, [0.0, 10.0, 10.0], max_steps=10**9) == [False, False, True]
     assert [m["step"] for m in logged] == [3] and logged[0]["compute/gpu_s"] >= 100.0
 
@@ -100,11 +99,12 @@ def test_every_arm_validates_at_the_same_points_of_its_budget() -> None:
     compute = ComputeCount(N, 6)
     rollouts = SimpleNamespace(last_stats={}, last_tokens={"trained": 10, "generated": 2, "prefill": 8}, memory=None)
     seen: list[tuple[str, float]] = []
-    step_log = _StepLog(
-        SimpleNamespace(algorithm=grpo, run=None),
+    step_log = StepLog(
+        None,
+        Clock(grpo, grpo.val_every, compute),
         rollouts,
         lambda m, when: seen.append((when, compute.flops / budget)) or {},
-        compute,
+        None,
     )
     stopped = steps(step_log, compute, [0.0] * 10, max_steps=100)
     assert stopped == [False] * 9 + [True]
@@ -113,13 +113,13 @@ def test_every_arm_validates_at_the_same_points_of_its_budget() -> None:
     control = SFTControl(flops_budget=budget, val_points=points, max_steps=-1, sft_val_every=1000)
     compute = ComputeCount(N, 6)
     fractions: list[tuple[str, float]] = []
-    sft = _Budget(
-        SimpleNamespace(algorithm=control, run=SimpleNamespace(log=lambda step, metrics: None)),
-        lambda m, when: fractions.append((when, compute.flops / budget)) or {},
-        compute,
-    )
     tokens = iter(range(5, 1000, 5))  # the trainer's tokens so far: 5 more a step, 30k FLOPs
-    sft.tokens_seen = lambda: float(next(tokens))
+    sft = ControlLog(
+        SimpleNamespace(log=lambda step, metrics: None),
+        Clock(control, control.sft_val_every, compute),
+        lambda m, when: fractions.append((when, compute.flops / budget)) or {},
+        lambda: float(next(tokens)),
+    )
     stopped = steps(sft, compute, [0.0] * 27, max_steps=10**9)
     assert stopped == [False] * 26 + [True]
     assert [name for name, _ in fractions] == ["step7", "step14", "step20", "final"]
@@ -132,6 +132,6 @@ def test_without_val_points_each_arm_validates_every_its_own_steps() -> None:
     compute = ComputeCount(N, 6)
     rollouts = SimpleNamespace(last_stats={}, last_tokens={"trained": 1}, memory=None)
     seen: list[str] = []
-    step_log = _StepLog(SimpleNamespace(algorithm=algo, run=None), rollouts, lambda m, w: seen.append(w) or {}, compute)
+    step_log = StepLog(None, Clock(algo, algo.val_every, compute), rollouts, lambda m, w: seen.append(w) or {}, None)
     steps(step_log, compute, [0.0] * 5, max_steps=5)
     assert seen == ["step2", "step4", "final"]

@@ -130,7 +130,7 @@ def test_device_memory_keeps_each_phase_s_peak_and_what_the_engine_freed() -> No
 
 def test_each_step_logs_the_most_any_rank_s_gpu_had_in_use_per_phase() -> None:
     """gpu_memory/* in metrics.jsonl: a run killed before its summary (an OOM, a full disk) keeps them."""
-    from backends.trl.backend import gpu_memory_metrics
+    from backends.memory import gpu_memory_metrics
 
     ranks = [
         {"peak_gb": 70.0, "phase_peak_gb": {"start": 10.0, "rollout": 52.0, "update": 70.0}},

@@ -24,7 +24,9 @@ from agent.trajectory import Trajectory
 from backends.algorithm import GRPO, LOSS_TYPES, RFT
 from backends.compute import ComputeCount
 from backends.samples import check_stats
-from backends.trl.backend import TRLBackend, _passthrough_reward, _StepLog
+from backends.trl.backend import TRLBackend, _passthrough_reward
+from backends.trl.callbacks import StepLog
+from backends.trl.clock import Clock
 from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import (
     AgentGRPOTrainer,
@@ -209,7 +211,7 @@ def test_a_step_counts_every_sampled_calls_whole_prompt_as_prefill_with_the_stat
     assert tokens["prefill"] == sum(len(c.prompt_ids) for c in calls) > 0
 
     compute = ComputeCount(parameters=1000, train_factor=6)
-    step_log = _StepLog(SimpleNamespace(algorithm=algo, run=None), rollouts, lambda model, when: {}, compute)
+    step_log = StepLog(None, Clock(algo, algo.val_every, compute), rollouts, lambda model, when: {}, None)
     control = SimpleNamespace(should_training_stop=False)
     step_log.on_step_end(None, SimpleNamespace(global_step=1, max_steps=10), control)
     metrics = compute.metrics()

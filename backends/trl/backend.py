@@ -18,9 +18,7 @@ import contextlib
 import json
 import random
 import shutil
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from signal import Signals
@@ -28,9 +26,8 @@ from typing import Any
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import gather_object
 from datasets import Dataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import GRPOConfig
 
 from backends.algorithm import GRPO, RFT, SFTControl
@@ -41,9 +38,11 @@ from backends.progress import show_progress
 from backends.protocol import Needs
 from backends.setup import TrainSetup
 from backends.sft import SFTWarmstart, agreed, run_tasks, supervised, warm_start, weights_digest
+from backends.trl.callbacks import ControlLog, StepLog, StopAtStepEnd, per_rank
+from backends.trl.clock import Clock
 from backends.trl.fsdp import OFFLOADS, SHARDINGS, OptimizerOffload, fsdp_arguments
 from backends.trl.pool import filtered_pool, pool_key, sample_pool
-from backends.trl.rollouts import AgentRollouts, on_any_rank, task_prompt
+from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
 from backends.trl.validation import Validation
 from data.splits import KIND, kind_distance
@@ -55,9 +54,6 @@ from foundation.schema import number, one_of
 from inference import ENGINES, Engine, VLLMSettings, make_engine, require_vllm, resolve_engine
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights, is_sharded
-
-# TRL log keys that are not per-step training metrics (end-of-training totals).
-_NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
 
 
 @dataclass
@@ -258,8 +254,7 @@ class TRLBackend:
         # what each GPU has in use from here on, per phase (start: loading, the first validation; rollout; update)
         memory = DeviceMemory(device).start() if device.startswith("cuda") else None
         # backend.offload=optimizer: the optimizer's state leaves the GPU whenever the engine is awake (rollouts, and
-        # validations during GRPO: `validation.trainer` is the trainer once it exists, whose optimizer exists once it
-        # trains)
+        # validations during GRPO: `Validation.during`)
         offload = OptimizerOffload() if self.offload == "optimizer" and device.startswith("cuda") else None
         # algorithm.async_rollouts: the engine generates while the trainer updates, from a copy of the weights
         overlap = algo.overlapped
@@ -342,10 +337,10 @@ class TRLBackend:
         if started_by_launcher():  # how the ranks held the model, read off it (not the setting)
             results["sharding"] = "fsdp2" if is_sharded(trainer.model) else "ddp"
         # every rank ran its share of the rollouts (collectives)
-        results["rollouts_per_rank"] = _per_rank(rollout_func.rollouts_run)
+        results["rollouts_per_rank"] = per_rank(rollout_func.rollouts_run)
         if memory is not None:  # what each GPU had in use (every process on it), not torch's counter
             memory.stop()
-            measured = _per_rank(memory.summary())
+            measured = per_rank(memory.summary())
             results["peak_gpu_memory_gb_per_rank"] = [m["peak_gb"] for m in measured]
             results["gpu_memory_per_rank"] = measured
         run.phase = "saving the final model"
@@ -390,6 +385,11 @@ class TRLBackend:
             memory=memory,
             asynchronous=overlap,
         )
+        train_s = 0.0
+        if resume_from is not None:  # the budgets count the training before the restart
+            train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)
+            compute.restore(run.metrics())
+        clock = Clock(algo, algo.val_every, compute, train_s)
         trainer = AgentGRPOTrainer(
             model=model,
             reward_funcs=[_passthrough_reward(setup.reward.name)],
@@ -398,20 +398,18 @@ class TRLBackend:
             processing_class=tokenizer,
             peft_config=setup.finetune.peft_config(),
             rollout_func=rollout_func,
-            callbacks=[step_log := _StepLog(setup, rollout_func, validation, compute), _StopAtStepEnd()],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             accept_reward=algo.accept_reward if isinstance(algo, RFT) else None,
             lookahead=overlap,  # the next step's prompts, for the rollouts generated during this step's update
             checkpoint_bytes=None if setup.disk_plan is None else setup.disk_plan["checkpoint_bytes_per_rank"],
+            budget_spent=clock.spent,  # a resumed run spent before its restart trains no step
         )
-        step_log.phase_s = trainer.phase_s
-        validation.trainer = trainer
-        step_log.nonfinite_steps = lambda: trainer.nonfinite_steps
-        trainer.budget_spent = step_log.budget_spent  # a resumed run spent before its restart trains no step
-        if resume_from is not None:  # the budgets count the training before the restart
-            step_log.train_s = max((m.get("train/elapsed_s") or 0.0 for m in run.metrics()), default=0.0)
-            compute.restore(run.metrics())
+        # the callbacks join once the trainer exists (in the order they run): the step log reads the trainer's phase
+        # times, and validates between its steps (`Validation.during`)
+        step_log = StepLog(run, clock, rollout_func, validation.during(trainer), trainer)
+        trainer.add_callback(step_log)
+        trainer.add_callback(StopAtStepEnd())
         show_progress(trainer, "GRPO")
         start = time.monotonic()
         run.phase = "GRPO"
@@ -428,7 +426,7 @@ class TRLBackend:
                 f"{signal_name} during GRPO: stopped after step {step} with checkpoint-{step}", Signals[signal_name]
             )
         if resume_from is not None and trainer.state.global_step == resumed_at:  # resumed after its last step
-            validation(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
+            step_log.validate(trainer.model, "final")  # for the summary; metrics.jsonl has it on that step's line
         wall_s = time.monotonic() - start
         record = {
             "steps": trainer.state.global_step,
@@ -436,7 +434,7 @@ class TRLBackend:
             "prefetch_missed": rollout_func.missed,  # async: batches read ahead that no step asked for
             "discarded_in_flight": discarded,
             "wall_s": wall_s,
-            "train_s": step_log.train_s,
+            "train_s": step_log.clock.train_s,
             "compute": compute.summary(wall_s),
         }
         return trainer, rollout_func, record
@@ -457,7 +455,7 @@ class TRLBackend:
         again begins at the warm start."""
         run, algo = setup.run, setup.algorithm
         assert isinstance(algo, SFTControl)
-        budget = _Budget(setup, validation, compute)
+        clock = Clock(algo, algo.sft_val_every, compute)
         trainer = supervised(
             model,
             tokenizer,
@@ -471,9 +469,10 @@ class TRLBackend:
             seed=setup.seed,
             use_bf16=use_bf16,
             max_length=max_length,
-            callbacks=[budget],
+            callbacks=[],
         )
-        budget.tokens_seen = lambda: trainer._total_train_tokens  # TRL's count: every rank's non-padding tokens
+        # its log joins once the trainer exists: TRL's count of tokens, every rank's non-padding ones
+        trainer.add_callback(ControlLog(run, clock, validation, lambda: trainer._total_train_tokens))
         show_progress(trainer, "SFT control")
         run.phase = "SFT control"
         start = time.monotonic()
@@ -486,7 +485,7 @@ class TRLBackend:
             "sft_control": {
                 "steps": steps,
                 "wall_s": wall_s,
-                "train_s": budget.train_s,
+                "train_s": clock.train_s,
                 "compute": compute.summary(wall_s),
             }
         }
@@ -686,21 +685,6 @@ def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype, needed
         trainer.accelerator.wait_for_everyone()  # after the gather and the rename: done on every rank when it returns
 
 
-def gpu_memory_metrics(ranks: list[dict[str, Any]]) -> dict[str, float]:
-    """Each step's `gpu_memory/*` from every rank's DeviceMemory summary: the peak so far over all ranks, overall and
-    per phase (rollout: the engine awake; update: the trainer's), in GB. A run stopped before its summary is written
-    keeps them in metrics.jsonl."""
-    metrics = {"gpu_memory/peak_gb": max(r["peak_gb"] for r in ranks)}
-    for phase in dict.fromkeys(p for r in ranks for p in r["phase_peak_gb"]):
-        metrics[f"gpu_memory/{phase}_peak_gb"] = max(r["phase_peak_gb"].get(phase, 0.0) for r in ranks)
-    return metrics
-
-
-def _per_rank(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order (a collective with several ranks)."""
-    return gather_object([value]) if world_size() > 1 else [value]
-
-
 def _passthrough_reward(name: str) -> Any:
     """TRL reward function returning the reward the rollout already computed (named after the reward, for logs)."""
 
@@ -711,174 +695,3 @@ def _passthrough_reward(name: str) -> Any:
 
     reward.__name__ = name
     return reward
-
-
-class _StopAtStepEnd(TrainerCallback):
-    """On a stop signal (`foundation.interrupt`) to any rank, checkpoint at the end of the current step and end
-    training, on every rank together (a sharded checkpoint is a collective)."""
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        if on_any_rank(stop_requested() is not None):
-            control.should_save = True
-            control.should_training_stop = True
-
-
-class _Cadence:
-    """When an arm validates between its first and last validation: every `every` steps, or with
-    `algorithm.val_points` at each further 1/val_points of its budget spent, whatever its steps are (GRPO's of 128
-    rollouts, SFT's of 32 demonstrations), so the arms of a study are validated at the same points of their compute.
-    Callers take rank 0's verdict (`agreed`): ranks' training seconds differ slightly."""
-
-    def __init__(self, algo: GRPO, every: int) -> None:
-        self.points, self.every = algo.val_points, every
-        self.point = 0  # the budget points passed so far
-
-    def due(self, step: int, fraction: float) -> bool:
-        if self.points is None:
-            return step % self.every == 0
-        point = min(int(fraction * self.points), self.points)
-        if point <= self.point:
-            return False
-        self.point = point
-        return True
-
-
-class _Budget(TrainerCallback):
-    """The control arm's clock and log: training seconds (validation not counted); validates every `sft_val_every`
-    SFT steps (or at `val_points`, as GRPO does), and at the end (a time, FLOPs or GPU-seconds budget spent, or
-    `max_steps`), where it stops training."""
-
-    def __init__(self, setup: TrainSetup, validate: Any, compute: ComputeCount) -> None:
-        self.setup = setup
-        self.validate = validate
-        self.compute = compute
-        self.tokens_seen: Callable[[], float] = lambda: 0.0  # the trainer's tokens so far
-        self.train_s = 0.0
-        self.loss: float | None = None
-        self.cadence = _Cadence(setup.algorithm, setup.algorithm.sft_val_every)
-        self._since = time.perf_counter()
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._since = time.perf_counter()
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-        if logs and "loss" in logs:
-            self.loss = float(logs["loss"])
-
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        seconds = time.perf_counter() - self._since
-        self.train_s += seconds
-        self.compute.trained = float(self.tokens_seen())
-        self.compute.add(seconds=seconds)
-        algo, step = self.setup.algorithm, state.global_step
-        out_of_time = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
-        spent = out_of_time or self.compute.spent(algo.flops_budget, algo.gpu_s_budget)
-        last = step == state.max_steps or agreed(spent)
-        fraction = algo.budget_fraction(self.compute.flops, self.compute.gpu_s, self.train_s, step, state.max_steps)
-        if last or agreed(self.cadence.due(step, fraction)):
-            metrics = {"train/elapsed_s": self.train_s, "sft/loss": self.loss, **self.compute.metrics()}
-            start = time.perf_counter()
-            metrics |= self.validate(model, "final" if last else f"step{step}")
-            metrics["timing_s/validation"] = time.perf_counter() - start
-            if is_main():
-                self.setup.run.log(step, metrics)
-        if last:
-            control.should_training_stop = True
-        self._since = time.perf_counter()
-
-
-class _StepLog(TrainerCallback):
-    """Writes TRL's per-step logs, the rollouts' stats and the step's phase times (`timing_s/*`) to metrics.jsonl;
-    validates every `val_every` steps (or at `val_points` of its budget: `_Cadence`), and at the end: `max_steps`, or
-    a time, FLOPs or GPU-seconds budget spent (it stops training there).
-
-    timing_s/step: the whole optimizer step, validation included; weight_sync: the trainer's weights into the
-    generation engine (gathered first when sharded; ~0 for an unsharded model and an engine that reads it);
-    rollout: the agents, their tools and rewards (overlapped); reward_sum: the rewards' own time, summed; scoring:
-    the batch's advantages (and a reference model's log-probs) after the rollouts; update: forward, backward and
-    optimizer (the IS weights from the loss's forward);
-    validation: when the step validated.
-    """
-
-    def __init__(self, setup: TrainSetup, rollouts: AgentRollouts, validate: Any, compute: ComputeCount) -> None:
-        self.setup = setup
-        self.rollouts = rollouts
-        self.validate = validate
-        self.compute = compute  # every rank's tokens and FLOPs so far (`compute/*`)
-        algo = setup.algorithm
-        self.forward_passes = int(algo.kl_coef > 0)  # the reference model's (the IS weights come from the loss's own)
-        self.val_metrics: dict[str, float] = {}
-        self.phase_s: dict[str, float] = {}  # the trainer's (AgentGRPOTrainer.phase_s), cleared after each step
-        self.stats: dict[str, float] = {}  # the step's rollout stats (averaged over ranks)
-        self.memory: dict[str, float] = {}  # the GPUs' memory in use so far, the most on any rank (`gpu_memory/*`)
-        self.train_s = 0.0  # training seconds so far (validation not counted): train/elapsed_s
-        self.nonfinite_steps: Callable[[], int] = lambda: 0  # the trainer's count of dropped steps
-        self.cadence = _Cadence(algo, algo.val_every)
-        self._step_start = time.perf_counter()
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        self._step_start = time.perf_counter()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-        seconds = time.perf_counter() - self._step_start
-        self.train_s += seconds
-        if world_size() > 1:  # every rank's rollout stats, averaged (a collective: every rank is here)
-            shares = gather_object([self.rollouts.last_stats])
-            keys = dict.fromkeys(k for share in shares for k in share)  # a rank may lack one (no check verdicts)
-            self.stats = {k: statistics.mean(s[k] for s in shares if k in s) for k in keys}
-        else:
-            self.stats = self.rollouts.last_stats
-        tokens = _per_rank(self.rollouts.last_tokens)  # summed over ranks (a collective)
-        trained = sum(t.get("trained", 0) for t in tokens)
-        self.compute.add(
-            trained=trained,
-            generated=sum(t.get("generated", 0) for t in tokens),
-            forward_only=self.forward_passes * trained,
-            prefill=sum(t.get("prefill", 0) for t in tokens),
-            seconds=seconds,
-        )
-        if self.rollouts.memory is not None:  # every rank has one on GPUs (a collective)
-            self.memory = gpu_memory_metrics(_per_rank(self.rollouts.memory.summary()))
-        step = state.global_step
-        out_of_time = self.budget_spent()
-        last = step == state.max_steps or out_of_time
-        fraction = self.setup.algorithm.budget_fraction(
-            self.compute.flops, self.compute.gpu_s, self.train_s, step, state.max_steps
-        )
-        if agreed(self.cadence.due(step, fraction)) or last:
-            start = time.perf_counter()
-            self.val_metrics = self.validate(model, "final" if last else f"step{step}")
-            self.val_metrics["timing_s/validation"] = time.perf_counter() - start
-        if out_of_time:
-            control.should_training_stop = True
-
-    def budget_spent(self) -> bool:
-        """Whether the time, FLOPs or GPU-seconds budget is spent, rank 0's verdict on every rank (a collective)."""
-        algo = self.setup.algorithm
-        spent = algo.time_budget_s is not None and self.train_s >= algo.time_budget_s
-        return agreed(spent or self.compute.spent(algo.flops_budget, algo.gpu_s_budget))
-
-    def _timings(self) -> dict[str, float]:
-        rollout = self.stats.get("timing_s/rollout", 0.0) + self.stats.get("timing_s/weight_sync", 0.0)
-        timings = {
-            "timing_s/step": time.perf_counter() - self._step_start,
-            "timing_s/scoring": max(0.0, self.phase_s.get("generation", 0.0) - rollout),
-            "timing_s/update": self.phase_s.get("update", 0.0),
-        }
-        self.phase_s.clear()
-        return timings
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-        if not logs or "reward" not in logs or not is_main():
-            return
-        metrics = {
-            ("train/reward_mean" if k == "reward" else f"train/{k}"): v
-            for k, v in logs.items()
-            if k not in _NOT_STEP_METRICS
-        }
-        metrics["train/elapsed_s"] = self.train_s
-        metrics["train/nonfinite_grad_steps"] = self.nonfinite_steps()
-        metrics |= self.compute.metrics()
-        metrics |= self.memory
-        self.setup.run.log(state.global_step, metrics | self.stats | self._timings() | self.val_metrics)
-        self.val_metrics = {}

@@ -30,9 +30,9 @@ A step whose gradient norm is not finite (NaN or inf) is not applied: its gradie
 runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/nonfinite_grad_steps`). Applied, one
 such step turns every weight into NaN, and every later rollout into garbage.
 
-It also keeps each optimizer step's phase times in `phase_s` (read and cleared by the backend's step log):
-`generation` (the whole `_generate_and_score_completions`: rollouts, then the batch and its advantages)
-and `update` (forward, backward and optimizer over the step's micro-batches, generation left out).
+It also keeps each optimizer step's phase times in `phase_s` (read and cleared by GRPO's step log,
+backends/trl/callbacks.py): `generation` (the whole `_generate_and_score_completions`: rollouts, then the batch and
+its advantages) and `update` (forward, backward and optimizer over the step's micro-batches, generation left out).
 """
 
 from __future__ import annotations
@@ -165,12 +165,13 @@ class AgentGRPOTrainer(GRPOTrainer):
         accept_reward: float | None = None,
         lookahead: bool = False,
         checkpoint_bytes: int | None = None,
+        budget_spent: Callable[[], bool] = lambda: False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoint_bytes = checkpoint_bytes  # what one rank writes a checkpoint (backends/disk.py's plan)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
-        self.budget_spent: Callable[[], bool] = lambda: False  # the run's time or FLOPs budget (a collective)
+        self.budget_spent = budget_spent  # the run's time, FLOPs or GPU-seconds budget (a collective)
         one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
         if self.num_iterations != 1 or not one_generation_a_step:  # the loss's forward scores, batches by length
             raise ValueError("one generation per optimizer step, trained once (num_iterations 1, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -27,8 +27,7 @@ class Validation:
 
     generation_copy: the model's weights as the engine generates from them (a sharded model's gathered copy);
     server: a policy server for those weights; offload: `backend.offload=optimizer`'s (the optimizer's state leaves
-    the GPU while the engine is awake); trainer: GRPO's, once it exists (its batch generating in the background is
-    waited for first: validation loads the engine)."""
+    the GPU while the engine is awake); trainer: GRPO's, in the copy that validates between its steps (`during`)."""
 
     setup: TrainSetup
     val_tasks: list[dict[str, Any]]
@@ -40,6 +39,11 @@ class Validation:
     results: dict[str, Any]
     offload: OptimizerOffload | None = None
     trainer: Any = field(default=None)
+
+    def during(self, trainer: Any) -> Validation:
+        """This validation between `trainer`'s steps: its batch generating in the background is waited for first
+        (validation loads the engine), and with `offload` its optimizer's state leaves the GPU meanwhile."""
+        return replace(self, trainer=trainer)
 
     def __call__(self, model: PreTrainedModel, name: str) -> dict[str, float]:
         if self.trainer is not None:
