@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     from backends.memory import DeviceMemory
-    from backends.trl.backend import _passthrough_reward
+    from backends.trl.arms import passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
     from inference.weights import GenerationWeights
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         timer = StepTimer()
         trainer = AgentGRPOTrainer(
             model=model,
-            reward_funcs=[_passthrough_reward("exec_match")],
+            reward_funcs=[passthrough_reward("exec_match")],
             args=backend.grpo_config(algo, str(Path(tmp) / "out"), 0, args.device),
             train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
             processing_class=tokenizer,

@@ -237,7 +237,7 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from backends.trl.backend import _passthrough_reward
+    from backends.trl.arms import passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
     from inference.policy_server import PolicyServer
@@ -298,7 +298,7 @@ def run_variant(case: str, variant: str, args: argparse.Namespace, cache: Path, 
         rollouts = AgentRollouts(agent, parts["reward"], server, algo.sampling(algo.temperature), args.tokens)
         trainer = AgentGRPOTrainer(  # as backend=trl builds it: with the importance-sampling correction
             model=model,
-            reward_funcs=[_passthrough_reward("exec_match")],
+            reward_funcs=[passthrough_reward("exec_match")],
             args=backend.grpo_config(algo, str(out_dir / f"{case}-{variant}"), 0, args.device),
             train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
             processing_class=tokenizer,

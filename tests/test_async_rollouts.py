@@ -19,7 +19,8 @@ from transformers import TrainerCallback
 from agent.llm import OpenAIChat
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
-from backends.trl.backend import TRLBackend, _passthrough_reward
+from backends.trl.arms import passthrough_reward
+from backends.trl.backend import TRLBackend
 from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
 from inference.policy_server import PolicyServer
@@ -98,7 +99,7 @@ def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts
     record = StepRecord(agent, rollouts)
     trainer = AgentGRPOTrainer(
         model=model,
-        reward_funcs=[_passthrough_reward("half")],
+        reward_funcs=[passthrough_reward("half")],
         args=TRLBackend().grpo_config(algo, str(tmp_path / "out"), seed=0, device="cpu"),
         train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in TASKS]),
         processing_class=tokenizer,

@@ -18,7 +18,8 @@ from backends import disk
 from backends.algorithm import GRPO
 from backends.disk import DiskFull, DiskSetting, plan_disk
 from backends.memory import Shape
-from backends.trl.backend import TRLBackend, _passthrough_reward, save_final, saves_ahead
+from backends.trl.arms import passthrough_reward, save_final
+from backends.trl.backend import TRLBackend, saves_ahead
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir, last_complete_checkpoint
@@ -99,7 +100,7 @@ def trainer(tmp_path: Path) -> AgentGRPOTrainer:
     algo = GRPO(group_size=2, tasks_per_step=1, micro_batch_size=2, keep_checkpoints=2)
     built = AgentGRPOTrainer(
         model=model,
-        reward_funcs=[_passthrough_reward("exec_match")],
+        reward_funcs=[passthrough_reward("exec_match")],
         args=TRLBackend().grpo_config(algo, str(tmp_path / "checkpoints"), seed=0, device="cpu"),
         train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "How many?"}]}]),
         processing_class=tokenizer,

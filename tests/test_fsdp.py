@@ -120,7 +120,7 @@ def _save_rank(rank: int, port: int, out: Path) -> None:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import TrainingArguments
 
-    from backends.trl.backend import save_final
+    from backends.trl.arms import save_final
     from backends.trl.fsdp import fsdp_arguments, shard_on_cpu
     from tests.conftest import wait_for
 

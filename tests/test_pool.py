@@ -14,7 +14,7 @@ import torch
 from backends.algorithm import GRPO, RFT, SFTControl
 from backends.compute import ComputeCount
 from backends.trl import pool
-from backends.trl.backend import TRLBackend, trains_on_pool
+from backends.trl.backend import TRLBackend
 from tests.conftest import FAST_RUN, launch
 
 TASKS = [{"id": f"t{i}", "question": f"q{i}"} for i in range(5)]
@@ -75,18 +75,30 @@ def test_an_arm_that_trains_on_the_pool_is_charged_its_sampling_also_when_it_reu
     sampled it; the control that continues SFT on the warm start's own demonstrations uses no pool."""
     monkeypatch.setattr(pool, "validate_policy", fake_validate)
     servers: list[FakeServer] = []
-    monkeypatch.setattr(TRLBackend, "_server", lambda self, *a: servers.append(FakeServer()) or servers[-1])
+    monkeypatch.setattr(TRLBackend, "policy_server", lambda self, *a: servers.append(FakeServer()) or servers[-1])
     setup = SimpleNamespace(
         algorithm=GRPO(pool_samples=4),
         agent="agent",
         warmstart=SimpleNamespace(cache_dir=tmp_path),
         run=SimpleNamespace(phase=""),
-        model=SimpleNamespace(compute_dtype=lambda device: torch.float32),
     )
-    backend, model = TRLBackend(), torch.nn.Linear(2, 2)
+
+    def context(compute: ComputeCount) -> Any:
+        """What the pool phase reads of a run's context (backends/trl/context.py)."""
+        return SimpleNamespace(
+            setup=setup,
+            algo=setup.algorithm,
+            backend=TRLBackend(),
+            model=torch.nn.Linear(2, 2),
+            tokenizer=None,
+            metric="metric",
+            device="cpu",
+            compute_dtype=torch.float32,
+            compute=compute,
+        )
 
     sampler = ComputeCount(N, 6, ranks=2)
-    tasks, entry = backend._pool(model, None, setup, TASKS, "w1", "metric", "cpu", sampler)  # type: ignore[arg-type]
+    tasks, entry = pool.pool_of(context(sampler), TASKS, "w1")
     assert [t["id"] for t in tasks] == ["t1", "t2", "t4"] and "reused" not in entry and len(servers) == 1
     assert entry["flops"] == 2 * N * (PROMPT + REPLY) * 4 * len(TASKS) == sampler.pool_flops == entry["charged_flops"]
     assert entry["gpu_s"] == 2 * entry["wall_s"] == sampler.pool_gpu_s == entry["charged_gpu_s"]
@@ -95,12 +107,13 @@ def test_an_arm_that_trains_on_the_pool_is_charged_its_sampling_also_when_it_reu
 
     reader = ComputeCount(N, 6)  # another arm or seed from the same warm start: reads the file
     monkeypatch.setattr(pool, "validate_policy", lambda *a: pytest.fail("the pool is sampled once"))
-    _, again = backend._pool(model, None, setup, TASKS, "w1", "metric", "cpu", reader)  # type: ignore[arg-type]
+    _, again = pool.pool_of(context(reader), TASKS, "w1")
     assert again["reused"] and len(servers) == 1
     assert (reader.pool_flops, reader.pool_gpu_s) == (sampler.pool_flops, sampler.pool_gpu_s) != (0, 0)
 
-    assert all(trains_on_pool(a) for a in (GRPO(pool_samples=4), RFT(pool_samples=4), SFTControl(pool_samples=4)))
-    assert not trains_on_pool(SFTControl(pool_samples=4, sft_demos="warmstart")) and not trains_on_pool(GRPO())
+    trains = pool.trains_on_pool
+    assert all(trains(a) for a in (GRPO(pool_samples=4), RFT(pool_samples=4), SFTControl(pool_samples=4)))
+    assert not trains(SFTControl(pool_samples=4, sft_demos="warmstart")) and not trains(GRPO())
 
 
 def test_a_pool_is_sampled_once_and_read_by_every_later_run(tmp_path: Path) -> None:

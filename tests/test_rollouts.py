@@ -24,7 +24,8 @@ from agent.trajectory import Trajectory
 from backends.algorithm import GRPO, LOSS_TYPES, RFT
 from backends.compute import ComputeCount
 from backends.samples import check_stats
-from backends.trl.backend import TRLBackend, _passthrough_reward
+from backends.trl.arms import passthrough_reward
+from backends.trl.backend import TRLBackend
 from backends.trl.callbacks import StepLog
 from backends.trl.clock import Clock
 from backends.trl.rollouts import AgentRollouts, task_prompt
@@ -101,7 +102,7 @@ def one_step(
     tasks = [{"id": "A", "question": "How many people are there?"}, {"id": "B", "question": "Again."}]
     trainer = AgentGRPOTrainer(
         model=model,
-        reward_funcs=[_passthrough_reward("table")],
+        reward_funcs=[passthrough_reward("table")],
         args=TRLBackend().grpo_config(algo, str(tmp_path), seed=0, device="cpu"),
         train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
         processing_class=tokenizer,
@@ -425,7 +426,7 @@ def _split_group_rank(rank: int, port: int, models: Path, out: Path) -> None:
     task = {"id": "A", "question": "How many people are there?"}
     trainer = AgentGRPOTrainer(
         model=model,
-        reward_funcs=[_passthrough_reward("rank")],
+        reward_funcs=[passthrough_reward("rank")],
         args=TRLBackend().grpo_config(algo, str(out / "trainer"), seed=0, device="cpu"),
         train_dataset=Dataset.from_list([{"prompt": task_prompt(task)}]),
         processing_class=tokenizer,

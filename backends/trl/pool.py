@@ -8,6 +8,8 @@ seed that starts from the same weights (arms running side by side wait for the f
 
 The file also records what sampling it cost (prompt tokens prefilled, tokens generated, their FLOPs, its wall seconds
 and GPU-seconds): every arm that trains on the pool is charged that, whichever run sampled it (backends/compute.py).
+
+`train_on_pool` is a backend=trl run's pool phase, over its context (backends/trl/context.py).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from agent.rollout import Agent, Reward
+from backends.algorithm import GRPO, SFTControl
 from backends.compute import inference_flops
+from backends.sft import agreed, weights_digest
+from backends.trl.context import RunContext
 from backends.trl.rollouts import validate_policy
+from foundation.ranks import is_main, world_size
 from inference.policy_server import PolicyServer
 
 
@@ -117,3 +123,58 @@ def filtered_pool(
             f"({record['never_right']} never, {record['always_right']} always): nothing to train on"
         )
     return pool, {k: v for k, v in record.items() if k != "kept"} | {"kept": len(pool), "file": str(path)}
+
+
+def trains_on_pool(algo: GRPO) -> bool:
+    """Whether the arm's training data comes from the filtered pool (`algorithm.pool_samples`): GRPO's and RFT's tasks,
+    gold SFT's demonstrations of them (`sft_demos=rl`); not SFT continued on the warm start's own demonstrations."""
+    return algo.pool_samples is not None and not (isinstance(algo, SFTControl) and algo.sft_demos == "warmstart")
+
+
+def train_on_pool(ctx: RunContext) -> None:
+    """The pool phase: the arm's training tasks become the pool of the weights it starts from (`pool_of`), and the
+    summary's `train_tasks` counts them."""
+    start = weights_digest(ctx.begin.checkpoint) if ctx.begin.checkpoint else f"untrained {ctx.tasks.source}"
+    ctx.tasks.train, ctx.results["pool"] = pool_of(ctx, ctx.tasks.train, start)
+    ctx.results["train_tasks"] = len(ctx.tasks.train)
+
+
+def pool_of(ctx: RunContext, tasks: list[dict[str, Any]], start: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The `tasks` the starting policy (`ctx.model`, whose weights `start` names) solves some but not all of
+    `algorithm.pool_samples` times: worked out once per starting weights and settings, kept beside the shared warm
+    starts (or in the run's checkpoints without one), read by every later run; and the summary's `pool`. What
+    sampling the pool cost (at `ctx.compute`'s parameters and ranks, when this run samples it) is charged to
+    `ctx.compute`, whichever run sampled it: this arm trains on the pool."""
+    setup, algo = ctx.setup, ctx.algo
+    sampling = algo.sampling(algo.temperature)
+    settings = {
+        "samples": algo.pool_samples,
+        "sampling": sampling,
+        "lengths": [algo.max_prompt_length, algo.max_response_length],
+        "agent": repr(setup.agent),
+        "metric": repr(ctx.metric),
+    }
+    pools = Path(setup.warmstart.cache_dir) / "pools" if setup.warmstart is not None else setup.run.checkpoints
+    path = pools / f"pool-{pool_key(start, tasks, settings)}.json"
+    server = None
+    if agreed(not path.is_file()):  # every rank loads (a sharded model's weights are gathered by all)
+        policy = ctx.backend.weights(ctx.device, ctx.compute_dtype).for_generation(ctx.model)
+        server = ctx.backend.policy_server(policy, ctx.tokenizer, setup)
+        server.load(policy)
+        if not is_main():
+            server.engine.sleep()
+
+    def sample() -> dict[str, Any]:
+        assert server is not None
+        setup.run.phase = f"sampling the pool ({algo.pool_samples} a task)"
+        load = lambda: server.load(server.model)  # noqa: E731  (the engine sleeps after each chunk)
+        args = (setup.agent, tasks, server, load, ctx.metric, sampling, algo.pool_samples, algo.reward_timeout_s)
+        return sample_pool(*args, parameters=ctx.compute.parameters, ranks=ctx.compute.ranks)
+
+    if is_main():
+        pool, record = filtered_pool(tasks, path, sample, exclusive=world_size() == 1)
+    agreed(True)  # the other ranks wait here for rank 0's file
+    if not is_main():
+        pool, record = filtered_pool(tasks, path, sample, exclusive=False)
+    ctx.compute.charge_pool(record["flops"], record["gpu_s"])
+    return pool, record | {"charged_flops": ctx.compute.pool_flops, "charged_gpu_s": ctx.compute.pool_gpu_s}
