@@ -68,7 +68,7 @@ def kind_distance(a: Sequence[T], b: Sequence[T], kind: Callable[[T], str] = tas
     if not a or not b:
         return 1.0
     ca, cb = Counter(map(kind, a)), Counter(map(kind, b))
-    return 0.5 * sum(abs(ca[k] / len(a) - cb[k] / len(b)) for k in ca.keys() | cb.keys())
+    return 0.5 * sum(abs(ca[k] / len(a) - cb[k] / len(b)) for k in sorted(ca.keys() | cb.keys()))  # one order: one sum
 
 
 def held_out_text_in(
