@@ -23,13 +23,13 @@ from omegaconf import DictConfig
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from backends.protocol import Backend, Needs
+from backends.protocol import Needs
 from foundation.errors import ConfigError
 from foundation.run_dir import RunDir
 from foundation.schema import number
-from jobs.config import build_components, build_group
+from jobs import validate
+from jobs.config import build_group
 from jobs.preflight import probes, run_probes, settings
-from jobs.train import train_setup
 
 ROOT = Path(__file__).resolve().parent.parent
 # vLLM is not in the verl extra (no CPU build); backend=verl ran with these (bench/results/verl_vs_trl_*.json).
@@ -200,17 +200,12 @@ def needs_rows(cfg: DictConfig) -> list[Row]:
 
 
 def config_rows(cfg: DictConfig, run_dir: RunDir) -> list[Row]:
-    """Our config validation, then the backend's `prepare` (job=validate: its own settings derived and validated,
-    written under the doctor's run directory) where its packages are installed."""
+    """Our config validation, then the backend's `prepare` (job=validate, written under the doctor's run directory)
+    where its packages are installed."""
     try:
-        parts = build_components(cfg)
-        backend: Backend = parts["backend"]
-        setup = train_setup(cfg, parts, run_dir)
-        backend.check(setup, backend.processes(int(cfg.resources.nodes), int(cfg.resources.gpus_per_node)))
-        try:
-            backend.prepare(setup)
-        except ModuleNotFoundError as exc:
-            return [Row("config", "ok", f"ours valid; backend={backend.name}'s own check skipped ({exc.name} missing)")]
+        validate.run(cfg, run_dir)
+    except ModuleNotFoundError as exc:  # ours built and checked; the backend's own package is missing
+        return [Row("config", "ok", f"ours valid; backend={cfg.backend.name}'s own check skipped ({exc.name} missing)")]
     except (ConfigError, ValueError, OSError) as exc:
         return [Row("config", "FAIL", str(exc)[:200], "fix the key the message names")]
     return [Row("config", "ok", f"ours and backend={cfg.backend.name}'s checks pass")]
