@@ -213,7 +213,10 @@ def _cells(done: pd.DataFrame, factors: list[str]) -> list[tuple[Any, ...]]:
     """Cells in the order their first run appears (a sweep's order: its first value is the baseline)."""
     if not factors:
         return [()] if len(done) else []
-    return list(dict.fromkeys(tuple(row) for row in done[factors].itertuples(index=False)))
+    cells: dict[tuple[str, ...], tuple[Any, ...]] = {}  # keyed as `_in_cell` matches: NaN (a key an arm lacks) is
+    for row in done[factors].itertuples(index=False):  # one value, not one per run (nan != nan)
+        cells.setdefault(tuple(map(repr, row)), tuple(row))
+    return list(cells.values())
 
 
 def _in_cell(done: pd.DataFrame, factors: list[str], cell: tuple[Any, ...]) -> pd.DataFrame:
@@ -232,7 +235,7 @@ def cell_table(table: pd.DataFrame, factors: list[str], metric: str = "val_final
     for cell in _cells(done, factors):
         runs = _in_cell(done, factors, cell)
         total = len(_in_cell(table, factors, cell))
-        row: dict[str, Any] = dict(zip(factors, cell, strict=True))
+        row: dict[str, Any] = {f: "unset" if _unset(v) else v for f, v in zip(factors, cell, strict=True)}
         row["seeds"] = f"{len(runs)}/{total}"
         for metric in ("val_initial", "val_final", "val_best", "test_final", "reward_final", *subsets):
             estimate = estimate_of(runs, metric)
@@ -513,7 +516,12 @@ def _compute_line(treated: pd.DataFrame, control: pd.DataFrame) -> str:
 
 
 def _label(factors: list[str], cell: tuple[Any, ...]) -> str:
-    return ", ".join(f"{f}={v}" for f, v in zip(factors, cell, strict=True)) or "all runs"
+    """`key=value` of each factor the cell sets (a key its arm lacks, NaN, is left out)."""
+    return ", ".join(f"{f}={v}" for f, v in zip(factors, cell, strict=True) if not _unset(v)) or "all runs"
+
+
+def _unset(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path: Path) -> None:
@@ -722,6 +730,11 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
             "(the pool's sampling included where charged), seconds a step, the rollouts' share of a step, tokens "
             "generated."
         )
+        if table.empty:  # e.g. each arm's own learning rate: it moves with `algorithm`, never alone
+            text = (
+                f"No two cells differ in `{factor}` alone (it changes only together with another factor), so it has "
+                "no table of its own: the comparisons above judge the cells it sets."
+            )
         out.append((f"Factor `{factor}`", text, table if not table.empty else None))
     out.append(("Learning curves", "curves.png", None))
     out.append(("Cost next to accuracy", "cost.png", None))

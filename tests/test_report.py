@@ -437,6 +437,22 @@ def test_treatments_are_also_judged_against_each_other(tmp_path: Path) -> None:
     assert "Δ -1.3 [" in lines[0] and "; paired (3 pairs), it could detect" in lines[0]
 
 
+def test_a_factor_only_some_arms_set_makes_one_cell_per_arm_not_one_per_run(tmp_path: Path) -> None:
+    """The control's own learning rate, absent from the RL arm (NaN there): GRPO's runs are one cell, one line."""
+    num = 0
+    for arm, lr in (("grpo", None), ("sft_control", "0.003")):
+        for seed in range(3):
+            extra = [] if lr is None else [f"algorithm.sft_learning_rate={lr}"]
+            value = 0.5 + 0.01 * seed + (0.1 if lr is None else 0.0)
+            write_arm(tmp_path / "arms" / str(num), arm, seed, value, extra=extra)
+            num += 1
+    md = (report.main([str(tmp_path / "arms")]) / "report.md").read_text()
+    lines = [x for x in out_tables(md)["Treatment against control"].splitlines() if x.startswith("- ")]
+    assert len(lines) == 1 and lines[0].startswith("- algorithm=grpo against the control: 61.0 ± 2.5 (n=3) vs 51.0")
+    assert out_tables(md)["algorithm.sft_learning_rate"].strip().startswith("No two cells differ in")
+    assert line_with(out_tables(md)["All cells"], "grpo", "unset", "3/3")
+
+
 def test_runs_from_several_warm_starts_are_paired_within_each_and_judged_per_warm_start(tmp_path: Path) -> None:
     """Seeds 0-1 from one warm start, 2-3 from another (`warmstart.seed`): a seed is a replicate, not a factor, so
     one verdict over the four pairs, each treatment run against the control with its seed and warm start; the warm
