@@ -10,7 +10,9 @@ What a GRPO checkpoint (`<run>/checkpoints/checkpoint-<step>`, the Trainer's own
 - plus the scheduler, the RNG states and the trainer state (under a megabyte).
 
 The final model (`checkpoints/final`): b x N (the full model, safetensors shards, in the model's dtype) or 4 x the
-adapters (LoRA); a warm start trained into the run (`checkpoints/sft`), b x N. The estimate errs high (the tiny
+adapters (LoRA), or nothing more where it is hard links to the last checkpoint's weights (unsharded, a run that
+ends at a save: its last step's checkpoint holds the same bytes); a warm start trained into the run
+(`checkpoints/sft`), b x N. The estimate errs high (the tiny
 model's vocabulary is planned at its largest: 16.0 MB planned for a 13.6 MB checkpoint). `algorithm.keep_checkpoints`
 complete checkpoints are kept; a new one is written beside them and the oldest deleted only once it is complete, so
 the peak is keep + 1 checkpoints, or keep and the final model (and the warm start, where the run holds one); a start
@@ -49,6 +51,12 @@ class DiskSetting:
     saves: int | None = None  # checkpoints this start writes (every save_every steps and at its end); None: unknown
     existing: int = 0  # complete checkpoints the run already holds (a resumed run's)
 
+    @property
+    def final_linked(self) -> bool:
+        """The final model is hard links to the last checkpoint's weights (`backends/trl/arms.py linked_final`):
+        unsharded, and the run ends at a save (its last step is known, and the Trainer saves there)."""
+        return not self.sharded and bool(self.saves)
+
 
 def plan_disk(shape: Shape, setting: DiskSetting) -> dict[str, Any]:
     """Bytes per checkpoint (and per rank), of the final model, and the peak the run's directory reaches."""
@@ -66,11 +74,13 @@ def plan_disk(shape: Shape, setting: DiskSetting) -> dict[str, Any]:
     # at a save: the kept ones and the new one beside them; at the end: the kept ones and the final model
     at_once = setting.keep + 1 if setting.saves is None else min(setting.keep + 1, setting.existing + setting.saves)
     kept = min(setting.keep, at_once)
-    peak = (max(at_once * checkpoint, kept * checkpoint + final) + warm) * MARGIN
+    final_more = SMALL_BYTES if setting.final_linked else final  # linked: the last checkpoint's weights, no copy
+    peak = (max(at_once * checkpoint, kept * checkpoint + final_more) + warm) * MARGIN
     return {
         "checkpoint_bytes": int(checkpoint),
         "checkpoint_bytes_per_rank": int(checkpoint / setting.ranks) if setting.sharded else int(checkpoint),
         "final_bytes": int(final),
+        "final_linked": setting.final_linked,
         "warm_start_bytes": int(warm),
         "keep_checkpoints": setting.keep,
         "peak_bytes": int(peak),
@@ -97,6 +107,7 @@ def explain(plan: dict[str, Any], free: int, where: Path) -> str:
             else ""
         )
         + f", the final model {plan['final_bytes'] / GB:.2f} GB"
+        + (" (hard links to the last checkpoint's weights: no copy)" if plan.get("final_linked") else "")
         + (f", the warm start {plan['warm_start_bytes'] / GB:.2f} GB" if plan["warm_start_bytes"] else "")
         + f", {plan['keep_checkpoints']} kept: peak "
         f"{plan['peak_bytes'] / GB:.2f} GB; {free / GB:.2f} GB free (with what the run already holds)"

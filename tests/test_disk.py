@@ -6,6 +6,8 @@ Free space is what the tests say it is (`backends.disk.free_bytes` patched): no 
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 from datasets import Dataset
 from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM
 
 from backends import disk
 from backends.algorithm import GRPO
@@ -158,8 +161,9 @@ def test_a_final_model_that_fails_midway_leaves_no_partial_final_and_the_last_ch
     trainer: AgentGRPOTrainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     save(trainer, 1)
+    trainer.state.global_step = 2  # a step past the last checkpoint: the final model is written, not linked
     final = Path(trainer.args.output_dir) / "final"
-    save_final(trainer, final, torch.float32, needed=2**20)
+    assert save_final(trainer, final, torch.float32, needed=2**20) == "written"
     written = sorted(p.name for p in final.iterdir())
     assert "model.safetensors" in written and not final.with_name("final.partial").exists()
 
@@ -174,3 +178,48 @@ def test_a_final_model_that_fails_midway_leaves_no_partial_final_and_the_last_ch
     assert not final.with_name("final.partial").exists()
     assert sorted(p.name for p in final.iterdir()) == written  # the earlier final model, as it was
     assert checkpoints(trainer) == ["checkpoint-1"]
+
+
+def test_a_final_model_at_the_last_checkpoint_s_step_is_hard_links_to_its_weights(trainer: AgentGRPOTrainer) -> None:
+    """No second copy on disk: the weights' files are the checkpoint's (one inode, two names), the model loads from
+    `final` alone, and it outlives the checkpoint's deletion; the optimizer's state stays out of it."""
+    save(trainer, 1)
+    folder = Path(trainer.args.output_dir)
+    final = folder / "final"
+    assert save_final(trainer, final, torch.float32, needed=10**15) == "linked to checkpoint-1"  # no space asked
+    weights = final / "model.safetensors"
+    assert weights.stat().st_ino == (folder / "checkpoint-1" / "model.safetensors").stat().st_ino
+    assert weights.stat().st_nlink == 2
+    assert not (final / "optimizer.pt").exists() and not final.with_name("final.partial").exists()
+    shutil.rmtree(folder / "checkpoint-1")  # keep_checkpoints rotating it out later
+    loaded = AutoModelForCausalLM.from_pretrained(final)
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_file_system_that_cannot_link_gets_the_final_model_written(
+    trainer: AgentGRPOTrainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save(trainer, 1)
+
+    def cannot(src: Any, dst: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cannot)
+    final = Path(trainer.args.output_dir) / "final"
+    assert save_final(trainer, final, torch.float32) == "written"
+    assert (final / "model.safetensors").stat().st_nlink == 1
+
+
+def test_the_plan_counts_no_second_copy_where_the_final_model_is_linked() -> None:
+    """Unsharded and ending at a save: the final model adds nothing to the peak; sharded or a budget (last step
+    unknown): its bytes count."""
+    shape = Shape(parameters=1000, layers=2, hidden=8, intermediate=16, vocab=10, embedding_parameters=80,
+                  adapter_parameters=50)  # fmt: skip
+    linked = plan_disk(shape, DiskSetting(full=True, ranks=1, sharded=False, weight_bytes=2, keep=1, saves=1))
+    assert linked["final_linked"]
+    assert linked["peak_bytes"] == int((linked["checkpoint_bytes"] + disk.SMALL_BYTES) * disk.MARGIN)
+    budgeted = plan_disk(shape, DiskSetting(full=True, ranks=1, sharded=False, weight_bytes=2, keep=1, saves=None))
+    assert not budgeted["final_linked"] and budgeted["peak_bytes"] > linked["peak_bytes"]
+    sharded = plan_disk(shape, DiskSetting(full=True, ranks=2, sharded=True, weight_bytes=2, keep=1, saves=1))
+    assert not sharded["final_linked"]

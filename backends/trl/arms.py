@@ -11,6 +11,7 @@ trainer and its callback, and writing the final model.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ class GRPOArm:
             ctx.results["gpu_memory_per_rank"] = measured
         ctx.run.phase = "saving the final model"
         final_bytes = None if ctx.setup.disk_plan is None else ctx.setup.disk_plan["final_bytes"]
-        save_final(trainer, ctx.run.checkpoints / "final", ctx.compute_dtype, final_bytes)
+        ctx.results["final_model"] = save_final(trainer, ctx.run.checkpoints / "final", ctx.compute_dtype, final_bytes)
         if is_main():
             ctx.tokenizer.save_pretrained(str(ctx.run.checkpoints / "final"))
         return ctx.results
@@ -216,22 +217,29 @@ def passthrough_reward(name: str) -> Any:
     return reward
 
 
-def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype, needed: int | None = None) -> None:
+def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype, needed: int | None = None) -> str:
     """The trained model as a Hugging Face checkpoint (safetensors shards; a LoRA run: its adapter), written by rank 0
     into `<path>.partial` and renamed to `path` once complete (a run's earlier final model, if any, is replaced only
     then): refused before a byte is written when the disk cannot hold `needed` bytes, and on a failure midway its
-    partial files removed, the last checkpoint untouched. Sharded (FSDP2): every rank takes part in gathering the
+    partial files removed, the last checkpoint untouched. Unsharded, where the last step's checkpoint already holds
+    the weights, the final model is hard links to its files (`linked_final`): no second copy on disk. Sharded
+    (FSDP2): every rank takes part in gathering the
     full weights to rank 0's CPU first; the fp32 master weights are written in `dtype`, the model's as loaded, as an
     unsharded run writes them. Every rank returns only once rank 0 has written it: a rank whose part of the gather
     was still queued on its GPU when it went on to exit left rank 0 waiting in the gather forever (seen on 2 H100s,
-    3 runs in 5)."""
+    3 runs in 5). Returns how it was made: `linked to checkpoint-<step>` or `written`."""
     staging = path.with_name(path.name + ".partial")
+    sharded = is_sharded(trainer.model)
     if is_main():
         shutil.rmtree(staging, ignore_errors=True)  # a crash's leftover
+        last = None if sharded else path.parent / f"checkpoint-{trainer.state.global_step}"
+        if last is not None and linked_final(last, staging):
+            shutil.rmtree(path, ignore_errors=True)
+            staging.rename(path)
+            return f"linked to {last.name}"
         if needed is not None:
             previous = last_complete_checkpoint(path.parent)
             check_before_save(path, needed, previous and Path(previous).name)
-    sharded = is_sharded(trainer.model)
     try:
         if not sharded:
             trainer.save_model(str(staging))  # rank 0 writes
@@ -252,3 +260,32 @@ def save_final(trainer: AgentGRPOTrainer, path: Path, dtype: torch.dtype, needed
         staging.rename(path)
     if sharded:
         trainer.accelerator.wait_for_everyone()  # after the gather and the rename: done on every rank when it returns
+    return "written"
+
+
+# what `save_model` writes beside the weights (`*.safetensors`, a sharded set's index): the final model's files
+_MODEL_FILES = {"config.json", "generation_config.json", "adapter_config.json", "training_args.bin"}
+
+
+def linked_final(checkpoint: Path, staging: Path) -> bool:
+    """`staging` as hard links to the weights and model files of `checkpoint`, the Trainer's save at the final step
+    (the same bytes `save_model` would write: nothing trains after it): True when made. False, with nothing left
+    behind, where there is no complete checkpoint at that step, it holds no safetensors weights (FSDP2's sharded
+    state), or the file system cannot link."""
+    if not (checkpoint / "trainer_state.json").is_file():
+        return False
+    files = [
+        f
+        for f in checkpoint.iterdir()
+        if f.is_file() and (f.name in _MODEL_FILES or f.name.endswith((".safetensors", ".safetensors.index.json")))
+    ]
+    if not any(f.name.endswith(".safetensors") for f in files):
+        return False
+    try:
+        staging.mkdir(parents=True)
+        for f in files:
+            os.link(f, staging / f.name)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+    return True
