@@ -408,6 +408,22 @@ def test_presets_and_model_options_are_named_in_one_scheme(group: str) -> None:
     assert [n for n in options(group) if not re.fullmatch(r"[a-z0-9.]+(-[a-z0-9.]+)*", n)] == []
 
 
+COMPONENT_GROUPS = ["agent", "algorithm", "backend", "data", "endpoint", "finetune", "job", "logger", "reward",
+                    "warmstart", "hydra/launcher"]  # fmt: skip
+
+
+def test_every_group_is_one_of_the_two_schemes() -> None:
+    """conf/README.md's "Names": what a `_target_` builds is a snake_case identifier (the label it reports under);
+    presets and models are hyphenated; no group is left out of both."""
+    groups = {str(p.parent.relative_to(CONF)) for p in CONF.rglob("*.yaml") if p.parent != CONF}
+    assert groups == set(COMPONENT_GROUPS) | {"experiment", "model"}
+
+
+@pytest.mark.parametrize("group", COMPONENT_GROUPS)
+def test_component_options_are_snake_case_identifiers(group: str) -> None:
+    assert options(group) and [n for n in options(group) if not re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", n)] == []
+
+
 def test_a_config_recorded_before_the_warm_start_moved_still_builds_it() -> None:
     # results/ holds run configs that name backends.trl.sft (the warm start's module before it moved)
     from hydra.utils import instantiate
