@@ -11,8 +11,9 @@
 #   MODE=main-rl WS0=0 WS1=1 WS2=2: GRPO and RFT from the same builds (the next call on the same warm machine).
 # The main study at equal GPU-seconds (experiment=learn-pool-gpu-v2-gpu-s; its own builds of the warm starts): the
 # eight runs of a warm start side by side on one GPU for the whole budget, so every arm meets the same co-tenants;
-# three warm starts a call (WS2's arms split between the GPUs: twelve runs a GPU, each GPU's co-tenants alike):
-#   MODE=gpu-s WS0=0 WS1=1 WS2=2 LIMIT=570
+# two warm starts a call, one a GPU (twelve runs a GPU would need ~145 GB: a GRPO or RFT run holds ~12 GB, measured
+# in the equal-FLOPs calls' load files; an H200 has 141 GB):
+#   MODE=gpu-s WS0=0 WS1=1 LIMIT=570   (then 2 3, 4 5, 6 7)
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl).
 set -u
 mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
