@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The pilot of experiment=learn-pool-gpu-ablations on an nvidia-h200-x2 machine (2 x H200), warm start WS0 on GPU 0
+# and WS1 on GPU 1, three calls back to back on one warm machine (the warm starts and pools stay in /tmp/cache; a
+# fresh machine builds the warm starts again, and a rebuild is other weights):
+#   MODE=pools WS0=100 WS1=101: each warm start built once, and each cell's pool (the pool depends on the agent and
+#     the lengths: every cell samples its own) by a one-step run of each cell (in /tmp/prep, not returned)
+#   MODE=cells-a WS0=100 WS1=101: the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a GPU)
+#   MODE=cells-b WS0=100 WS1=101: the one-turn and short-context cells, likewise
+# Pilot warm starts are none of the study's (W = 100, 101, as the pool study's tuning stage). Then the plan again:
+#   python -m analysis.plan results/2026-11-28-ablations/pilot/runs --mde 5 --experiment learn-pool-gpu-ablations \
+#       --treatment agent.check_step=false --baseline agent.check_step=true --out results/2026-11-28-ablations/pilot
+# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl).
+set -u
+mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
+export PYTHONPATH=/tmp/proj:$PWD PYTHONUNBUFFERED=1 ARL_CACHE_DIR=/tmp/cache ARL_OUTPUT_DIR=/tmp/out
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/env-$MODE.txt
+python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" >> $OUT/env-$MODE.txt 2>&1
+git log -1 --format=%H >> $OUT/env-$MODE.txt 2>&1
+( while true; do echo "$(date +%s) $(cut -d' ' -f1-3 /proc/loadavg) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"; sleep 20; done ) > $OUT/load-$MODE.txt 2>&1 &
+sampler=$!
+start=$(date +%s)
+
+P="experiment=learn-pool-gpu-ablations"
+declare -A CELL=(
+  [baseline]=""
+  [nocheck]="agent.check_step=false"
+  [oneturn]="agent.max_turns=1"
+  [short]="algorithm.max_response_length=256"
+)
+pids=()
+cell() {  # cell GPU W NAME ROOT EXTRA...: the cell's sweep (both seeds) in the background, its log in $OUT
+  local gpu=$1 w=$2 name=$3 root=$4; shift 4
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM ${LIMIT:-540} python launch.py -m $P warmstart.seed=$w model.init_seed=$w \
+    ${CELL[$name]} "$@" hydra/launcher=local_parallel hydra.launcher.n_jobs=4 hydra.sweep.dir=$root/ws$w-$name \
+    > $OUT/ws$w-$name.log 2>&1 &
+  pids+=($!)
+}
+case $MODE in
+  pools) cells="baseline nocheck oneturn short"; extra="algorithm.flops_budget=null algorithm.max_steps=1 algorithm.val_points=null algorithm.test_at_end=false"; root=/tmp/prep ;;
+  cells-a) cells="baseline nocheck"; extra=""; root=/tmp/out ;;
+  cells-b) cells="oneturn short"; extra=""; root=/tmp/out ;;
+  *) echo "unknown MODE=$MODE"; exit 2 ;;
+esac
+seeds() { [ $MODE = pools ] && echo "seed=$((2 * $1))" || echo "seed=$((2 * $1)),$((2 * $1 + 1))"; }
+for c in $cells; do
+  cell 0 $WS0 $c $root $extra $(seeds $WS0)
+  cell 1 $WS1 $c $root $extra $(seeds $WS1)
+done
+wait "${pids[@]}"
+kill $sampler
+echo "exit after $(( $(date +%s) - start )) s" >> $OUT/env-$MODE.txt
+for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill $pid 2>/dev/null; done
+ls -la /tmp/cache/warmstarts /tmp/cache/warmstarts/pools >> $OUT/env-$MODE.txt 2>&1
+# at most 8 files come back from $OUT: the runs in one archive, the sweeps' logs in another
+[ -d /tmp/out ] && cd /tmp/out && tar -czf $OUT/runs-$MODE.tgz --exclude="checkpoint-*" --exclude=final --exclude="*.safetensors" *
+cd $OUT && tar -czf logs-$MODE.tgz *.log && rm *.log
+ls -la $OUT
