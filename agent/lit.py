@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import urlparse
 
 import openai
@@ -49,7 +49,7 @@ from agent.loopback import LOOPBACK
 from agent.scripted import ReplayChat, Reply, chat_app, say
 from agent.spider_sql import CORRECT, INCORRECT, extract_sql
 from agent.trajectory import Trajectory
-from foundation.schema import number
+from foundation.schema import number, one_of
 
 log = logging.getLogger(__name__)
 
@@ -184,17 +184,17 @@ def load_class(path: str) -> type:
 
 
 _IDS = itertools.count()  # route ids of rollouts that bring none
+TASK_KINDS = ("text_to_sql", "med_qa", "dbbench")  # the data sets' kinds (data/*.py `task_kind`)
 
 
 @dataclass
 class LitAgentRunner:
     """Runs a `LitAgent` subclass's rollouts as this project's agent. Configured by `conf/agent/lit.yaml`."""
 
-    task_kind: ClassVar[str] = "text_to_sql"
-
     cls: str  # the LitAgent subclass, package.module:Class
     init: dict[str, Any] = field(default_factory=dict)  # its constructor's keyword arguments
     name: str = "lit"
+    task_kind: str = one_of("text_to_sql", TASK_KINDS)  # the kind of task its rollout reads (checked: the data's)
     rollout_timeout_s: float = number(600.0, gt=0)  # one rollout's time limit; past it the rollout is excluded
 
     def __post_init__(self) -> None:

@@ -24,10 +24,12 @@ from agent.llm import OpenAIChat
 from agent.loopback import LOOPBACK
 from agent.rollout import AGENT_ERROR, REWARD_ERROR, run_rollouts
 from agent.scripted import ReplayChat, chat_app
-from data.spider import load_split
+from data.dbbench import DBBenchData
+from data.med_qa import MedQAData
+from data.spider import SpiderData, load_split
 from examples.lit_sql_agent import LitSQLAgent
 from foundation.errors import ConfigError
-from jobs.config import build_group
+from jobs.config import build_components, build_group
 from rewards.agent_reward import AgentReward
 from tests.conftest import launch
 from tests.test_config import compose_with
@@ -227,3 +229,11 @@ def test_the_class_and_its_constructor_arguments_come_from_the_command_line() ->
     assert cfg.reward.name == "agent_reward"
     with pytest.raises(ConfigError, match=r"agent\.cls=no_such_pkg\.agent:Lit cannot be loaded: ModuleNotFoundError"):
         build_group(compose_with("agent=lit", "agent.cls=no_such_pkg.agent:Lit"), "agent")
+
+
+def test_a_class_for_another_kind_of_task_says_so_and_meets_that_data() -> None:
+    with pytest.raises(ConfigError, match=r"agent=lit answers text_to_sql tasks; data=med_qa holds med_qa tasks"):
+        build_components(compose_with("agent=lit", f"agent.cls={EXAMPLE}", "data=med_qa"))
+    parts = build_components(compose_with("agent=lit", f"agent.cls={EXAMPLE}", "data=med_qa", "agent.task_kind=med_qa"))
+    assert parts["agent"].task_kind == parts["data"].task_kind == "med_qa"
+    assert set(agl.TASK_KINDS) == {d.task_kind for d in (SpiderData, MedQAData, DBBenchData)}
