@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-EXTRAS := trl,verl,analysis,wandb,swanlab,dev
+EXTRAS := trl,verl,analysis,wandb,swanlab,mysql,dev
 
 .PHONY: setup run test test-fast lint
 setup: $(VENV)/.installed
