@@ -3,7 +3,12 @@
 A SELECT task is right when the final answer, read as rows (`[('Ann', 3), ...]`, a bare value, or comma-separated
 values), equals the gold rows: numbers within 1e-6, strings exactly, in order only when the gold SQL has ORDER BY.
 A write task (INSERT, UPDATE, DELETE) is right when the table the agent left equals the table the gold SQL makes
-from the same start, replayed here on a fresh in-memory copy.
+from the same start, replayed here on a fresh copy: in memory (`engine=sqlite`), or in a database of its own on the
+MySQL server (`engine=mysql`, dropped after). On MySQL the file's `md5` answer is checked too, as LifelongAgentBench
+computes it (`agent.mysql_tool.lab_md5_query`, on the server): the replayed table's md5 must be the file's, or the
+reward raises naming the task (the server does not reproduce the benchmark's answer: the rollout's reward is then
+missing, never a silent 0). The agent's table is compared with it row for row, values as read back (DECIMAL as
+numbers, dates as text), so a table whose column types the agent changed but whose values it kept is not told apart.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from agent.dbbench import scratch_for
+from agent.dbbench import engine_settings, scratch_for
+from agent.mysql_tool import ENGINES, MySQLScratch, MySQLServer
 from agent.trajectory import Trajectory
+from foundation.schema import one_of
 
 
 def parse_rows(answer: str) -> list[tuple[Any, ...]]:
@@ -60,6 +67,11 @@ def _canonical(row: tuple[Any, ...]) -> tuple[str, ...]:
 @dataclass
 class DBBenchMatch:
     name: str = "dbbench_match"
+    engine: str = one_of("sqlite", ENGINES)  # where the gold SQL is replayed (data.engine)
+    mysql: MySQLServer | None = None  # the server for engine=mysql (data.mysql)
+
+    def __post_init__(self) -> None:
+        self.mysql = engine_settings(self.engine, self.mysql, "reward.mysql")
 
     def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
         info = task["answer_info"]
@@ -74,12 +86,22 @@ class DBBenchMatch:
             return float(same)
         if trajectory.db_state is None:
             return 0.0
-        expected = scratch_for(task)
+        table = task["table_info"]["name"]
+        expected = scratch_for(task, self.engine, self.mysql)
         try:
             result = expected.run(info["sql"])
             if not result.ok:
                 raise ValueError(f"task {task.get('id')}: the gold SQL fails: {result.error}")
-            gold_state = expected.table_rows(task["table_info"]["name"])
+            gold_state = expected.table_rows(table)
+            if isinstance(expected, MySQLScratch) and info.get("md5"):
+                columns = [c["name"] for c in task["table_info"]["column_info_list"]]
+                md5 = expected.table_md5(table, columns)
+                if md5 != info["md5"]:
+                    raise ValueError(
+                        f"task {task.get('id')}: the gold SQL replayed on {expected.server.where()} leaves a table "
+                        f"whose md5 (LifelongAgentBench's) is {md5}, the file's answer is {info['md5']}: this server "
+                        f"does not reproduce the benchmark's answer"
+                    )
         finally:
             expected.close()
         return float([list(r) for r in gold_state] == [list(r) for r in trajectory.db_state])
