@@ -6,7 +6,9 @@
   model's server (`GET /health`), job=eval's endpoint (`GET /models`);
 - the data set's files for the splits the job reads (`data.spider_dir`, `data.data_dir`), and paths a job is given
   (`warmstart.path`, `job.pairs`, `job.model_path`, `job.adapter_path`);
-- SLURM's commands for a sweep with `hydra/launcher=slurm` (`sbatch` and `squeue` on PATH, squeue answering).
+- SLURM's commands for a sweep with `hydra/launcher=slurm` (`sbatch` and `squeue` on PATH, squeue answering);
+- with `data.engine=mysql` (DB-bench on a server), PyMySQL installed and the server (`data.mysql`) answering one
+  `SELECT VERSION()` as its account.
 
 Each failure is one line that names the key or the environment variable to set; then the process exits 1, before
 anything is loaded or launched. A single run (`python launch.py ...`) is checked by the Hydra callback's
@@ -389,6 +391,36 @@ def slurm_findings(timeout_s: float) -> list[Finding]:
     return [Finding("slurm", True, "sbatch, squeue: answer")]
 
 
+def mysql_findings(node: DictConfig, timeout_s: float) -> list[Finding]:
+    """data.engine=mysql: the driver installed, and the server `node` (data.mysql) answering as its account within
+    `timeout_s`."""
+    from agent.mysql_tool import MySQLServer, driver
+    from foundation.errors import ConfigError
+
+    try:
+        driver()
+        server = MySQLServer(**OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
+    except (ConfigError, TypeError) as exc:
+        return [Finding("mysql", False, str(exc), str(exc))]
+    password = os.environ.get(server.password_env, "")
+    try:
+        version = server.check(timeout_s)
+    except Exception as exc:
+        why = error_text(exc, [password])
+        if exc.args and exc.args[0] == 1045:  # access denied
+            fix = (
+                f"{server.password_env}: the MySQL server {server.where()} (data.mysql, data.engine=mysql) refused the "
+                f"account ({why}): set {server.password_env} (and DBBENCH_MYSQL_USER, data.mysql.user)"
+            )
+        else:
+            fix = (
+                f"DBBENCH_MYSQL_HOST: the MySQL server {server.where()} (data.mysql, engine=mysql) does not answer "
+                f"({why}): start it, or set DBBENCH_MYSQL_HOST and DBBENCH_MYSQL_PORT (or DBBENCH_MYSQL_SOCKET)"
+            )
+        return [Finding("mysql", False, f"{server.where()}: {why}", fix)]
+    return [Finding("mysql", True, f"{server.where()}: {version}")]
+
+
 def data_splits(cfg: DictConfig, job: str) -> tuple[str, ...]:
     """The splits a job reads: training all three (the final model meets the test split), eval the one it asks."""
     if job == "eval":
@@ -421,6 +453,10 @@ def probes(cfg: DictConfig, settings: Preflight, *, job: str | None = None, laun
         splits = data_splits(cfg, job)
         content = json.dumps(OmegaConf.to_container(cfg.data, resolve=True), sort_keys=True, default=str)
         found.append(Probe(("data", content, splits), lambda: data_findings(cfg, splits), f"data={cfg.data.name}"))
+    if uses_data and cfg.get("data") and cfg.data.get("engine") == "mysql" and cfg.data.get("mysql") is not None:
+        server = json.dumps(OmegaConf.to_container(cfg.data.mysql, resolve=True), sort_keys=True, default=str)
+        check = partial(mysql_findings, cfg.data.mysql, settings.timeout_s)
+        found.append(Probe(("mysql", server), check, "data.mysql (the MySQL server)", network=True))
     for name in JOB_PATHS.get(job, ()):
         if value := cfg.job.get(name):
             key, value = f"job.{name}", str(value)
