@@ -54,6 +54,7 @@ from analysis.verdicts import (
     estimate_of,
     look_note,
     parse_override,
+    per_cluster,
     same_value,
     unit_of,
     value_column,
@@ -515,6 +516,17 @@ def _compute_line(treated: pd.DataFrame, control: pd.DataFrame) -> str:
     return f"{line}; no budget shared by every run of both arms."
 
 
+def _cluster_rows(by_cluster: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """`per_cluster`'s table as the report prints it: differences signed, accuracies in points."""
+    out = by_cluster.copy()
+    for column in out.columns:
+        if column.startswith("Δ "):
+            out[column] = [_fmt(v, metric, True) for v in out[column]]
+        elif column == "val_initial":
+            out[column] = [_fmt(v, "val_initial") for v in out[column]]
+    return out.reset_index()
+
+
 def _label(factors: list[str], cell: tuple[Any, ...]) -> str:
     """`key=value` of each factor the cell sets (a key its arm lacks, NaN, is left out)."""
     return ", ".join(f"{f}={v}" for f, v in zip(factors, cell, strict=True) if not _unset(v)) or "all runs"
@@ -610,6 +622,7 @@ class Report:
     pairs: list[Line]  # the treatments against each other
     study: Study  # what the runs declared (`analysis`)
     declared: list[Verdict]  # the declared comparisons on the study's metric, Holm-adjusted together
+    by_cluster: pd.DataFrame  # each warm start's mean difference per declared comparison (empty: none to show)
 
     @property
     def judged(self) -> list[tuple[str, Verdict]]:
@@ -668,7 +681,9 @@ def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]
     ]
     cells = cell_table(table, factors, metric)
     pairs = treatment_pairs(table, factors, metric, unit=unit)
-    return Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl), factors
+    by_cluster = per_cluster(table, study, study.metric)
+    report = Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl, by_cluster)
+    return report, factors
 
 
 def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list[tuple[str, str, pd.DataFrame | None]]:
@@ -687,6 +702,14 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         intro += " " + looks[""]
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
     out.append(("Declared comparisons", _declared_text(report, looks), None))
+    if len(report.by_cluster) > 1:
+        unit = unit_of(report.study)
+        text = (
+            f"Each {unit}'s mean difference (treatment - baseline, the seeds that share it averaged) on "
+            f"`{report.study.metric}`, and its pairs: the units the verdicts above are taken over, so a reader sees "
+            f"how far they agree. `val_initial`: the {unit}'s own validation score before training."
+        )
+        out.append((f"Declared comparisons per {unit}", text, _cluster_rows(report.by_cluster, report.study.metric)))
     if report.verdicts:
         text = (
             f"Everything below is {EXPLORATORY}: comparisons the study did not declare, each at 95% on its own. "

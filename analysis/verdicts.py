@@ -182,6 +182,28 @@ class Verdict:
         }
 
 
+def per_cluster(table: pd.DataFrame, study: Study, metric: str) -> pd.DataFrame:
+    """Each cluster's (warm start's) mean difference on `metric` for every declared comparison, the seeds that share
+    it averaged: the units the declared verdicts are taken over, one row a cluster, with its pairs per comparison and
+    (where runs log it) the cluster's `val_initial` (its start's own validation score). Empty where no comparison
+    pairs runs that share clusters."""
+    done = table[table.status == COMPLETED]
+    columns: dict[str, pd.Series] = {}
+    for declaration in study.comparisons:
+        found = pairs_of(matching(done, declaration.baseline), matching(done, declaration.treatment), metric)
+        if found is None or any(c is None for c in found.clusters):
+            continue
+        by_cluster = pd.Series(found.differences, index=found.clusters).groupby(level=0, sort=False)
+        columns[f"Δ {declaration.name}"] = by_cluster.mean()
+        columns[f"pairs {declaration.name}"] = by_cluster.size()
+    if not columns:
+        return pd.DataFrame()
+    out = pd.DataFrame(columns)
+    if "val_initial" in done and done.val_initial.notna().any():
+        out.insert(0, "val_initial", done.groupby("cluster").val_initial.mean().reindex(out.index))
+    return out.rename_axis(study.cluster)
+
+
 def declared(table: pd.DataFrame, study: Study, metric: str) -> list[Verdict]:
     """The study's declared comparisons on `metric` (completed runs), Holm-adjusted together: one family."""
     done = table[table.status == COMPLETED]

@@ -567,6 +567,20 @@ def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: P
     assert "(exploratory" not in section
 
 
+def test_each_warm_start_s_difference_is_shown_beside_the_declared_verdicts(tmp_path: Path) -> None:
+    """The units the verdicts are taken over: per warm start, the mean of its seeds' differences and its pairs."""
+    write_study(tmp_path / "study", DECLARED, STEADY)
+    built, _ = report.build(report.load([str(tmp_path / "study")]))
+    table = built.by_cluster
+    assert len(table) == 3 and (table["pairs grpo_vs_control"] == 3).all()
+    assert sorted(table["Δ grpo_vs_control"]) == pytest.approx(sorted(np.mean(g) for g in STEADY.values()))
+    assert table["Δ rft_vs_control"].to_numpy() == pytest.approx(table["Δ grpo_vs_control"].to_numpy() / 2)
+    section = out_tables((report.main([str(tmp_path / "study")]) / "report.md").read_text())
+    rows = section["Declared comparisons per warm start"]
+    assert line_with(rows, "warm1", "+4.0", "+2.0")  # warm start 1: GRPO +4/+5/+3, RFT half of it
+    assert "val_initial" in rows
+
+
 def test_a_comparison_beyond_noise_alone_is_inside_noise_after_holm(tmp_path: Path) -> None:
     """Five declared comparisons of the same two arms: one p under 0.05 alone is over it x 5."""
     comparisons = [
