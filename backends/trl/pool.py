@@ -120,7 +120,10 @@ def filtered_pool(
     if not pool:
         raise RuntimeError(
             f"algorithm.pool_samples={record['samples']}: none of {record['tasks']} tasks is solved sometimes "
-            f"({record['never_right']} never, {record['always_right']} always): nothing to train on"
+            f"({record['never_right']} never, {record['always_right']} always): nothing to train on, as GRPO "
+            "learns only from a task whose rollouts' rewards differ. algorithm.pool_samples=null trains on every "
+            "task anyway (a smoke run: experiment=smoke); a warm start that solves some tasks some of the time "
+            f"fills the pool (its record: {path})"
         )
     return pool, {k: v for k, v in record.items() if k != "kept"} | {"kept": len(pool), "file": str(path)}
 
