@@ -11,10 +11,11 @@
 #   MODE=main-rl WS0=0 WS1=1 WS2=2: GRPO and RFT from the same builds (the next call on the same warm machine).
 # The main study at equal GPU-seconds (experiment=learn-pool-gpu-v2-gpu-s; its own builds of the warm starts): the
 # eight runs of a warm start side by side on one GPU for the whole budget, so every arm meets the same co-tenants;
-# three warm starts a call (WS2's arms split between the GPUs: twelve runs a GPU, each GPU's co-tenants alike: six
-# GRPO/RFT runs at ~12 GB and six SFT runs at ~7 GB, ~114 GB of an H200's 141 at the equal-FLOPs calls' peaks,
-# `calls/load-*.txt`):
-#   MODE=gpu-s WS0=0 WS1=1 WS2=2 LIMIT=570   (then 3 4 5, then 6 7)
+# two warm starts a call, one a GPU: every GPU holds one warm start's eight runs and nothing else, so every warm start
+# meets the same co-tenants (with a third split between the GPUs, twelve runs a GPU would fit the memory, ~114 GB
+# of 141 at the equal-FLOPs calls' peaks, but SFT continued's 400 s of training plus its validations and the warm
+# start's build under twelve co-tenants would come near the call's limit):
+#   MODE=gpu-s WS0=0 WS1=1 LIMIT=570   (then 2 3, 4 5, 6 7)
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl).
 set -u
 mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
