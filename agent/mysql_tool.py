@@ -30,16 +30,16 @@ import contextlib
 import dataclasses
 import datetime
 import decimal
+import functools
 import os
 import re
 import secrets
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from agent.sql_tool import MAX_RESULT_BYTES, MAX_SQL_CHARS, SQLResult
+from agent.sql_tool import MAX_RESULT_BYTES, MAX_SQL_CHARS, SQLResult, Watchdog
 from foundation.errors import ConfigError
 from foundation.schema import check_values, number
 
@@ -181,36 +181,18 @@ class TableUnreadable(LookupError):
     """The rollout's table cannot be read (the agent dropped or renamed it)."""
 
 
-class _Killer:
-    """Kills the running query of connection `thread_id` at the deadline, from a second connection of the same
-    user (a user may always kill its own queries)."""
-
-    def __init__(self, scratch: MySQLScratch, thread_id: int, timeout_s: float) -> None:
-        self._scratch, self._thread_id = scratch, thread_id
-        self._lock = threading.Lock()
-        self._done = False
-        self._timer = threading.Timer(timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._done:
-                return
-            try:
-                conn = self._scratch.server.connect(user=self._scratch.user, password=self._scratch.password)
-                try:
-                    with conn.cursor() as cursor:
-                        cursor.execute(f"KILL QUERY {int(self._thread_id)}")
-                finally:
-                    conn.close()
-            except Exception:  # the statement ended meanwhile, or the server is gone: the read fails on its own
-                pass
-
-    def stop(self) -> None:
-        with self._lock:
-            self._done = True
-        self._timer.cancel()
+def _kill_query(scratch: MySQLScratch, thread_id: int) -> None:
+    """Kills connection `thread_id`'s running query from a second connection of the same user (a user may always
+    kill its own queries): the watchdog's action."""
+    try:
+        conn = scratch.server.connect(user=scratch.user, password=scratch.password)
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(f"KILL QUERY {int(thread_id)}")
+        finally:
+            conn.close()
+    except Exception:  # the statement ended meanwhile, or the server is gone: the read fails on its own
+        pass
 
 
 class MySQLScratch:
@@ -286,7 +268,7 @@ class MySQLScratch:
         if len(sql) > MAX_SQL_CHARS:
             return SQLResult(error=f"the statement is longer than {MAX_SQL_CHARS} characters")
         conn = self._connection()
-        killer = _Killer(self, conn.thread_id(), timeout_s)
+        killer = Watchdog(timeout_s, functools.partial(_kill_query, self, conn.thread_id()))
         cursor = conn.cursor()
         try:
             if self.mariadb:

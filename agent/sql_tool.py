@@ -23,6 +23,7 @@ import re
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -170,12 +171,14 @@ def connect_read_only(db_path: str | Path) -> sqlite3.Connection:
     return harden(_open_read_only(Path(db_path)))
 
 
-class _Watchdog:
-    """Interrupts `conn` at `deadline` from another thread: SQLite's progress handler runs only between virtual
-    machine steps, and the watchdog also stops work the handler does not see."""
+class Watchdog:
+    """Calls `action` (an interrupt of the running statement) once `timeout_s` have passed, from a timer thread,
+    unless `stop` came first; once `stop` returns it can no longer act on a later statement. SQLite's progress
+    handler runs only between virtual machine steps, so the SQL tool's watchdog also stops work the handler does not
+    see; DB-bench on a server kills the query from a second connection (agent/mysql_tool.py)."""
 
-    def __init__(self, conn: sqlite3.Connection, timeout_s: float) -> None:
-        self._conn = conn
+    def __init__(self, timeout_s: float, action: Callable[[], None]) -> None:
+        self._action = action
         self._lock = threading.Lock()
         self._done = False
         self._timer = threading.Timer(timeout_s, self._fire)
@@ -185,10 +188,10 @@ class _Watchdog:
     def _fire(self) -> None:
         with self._lock:
             if not self._done:
-                self._conn.interrupt()
+                self._action()
 
     def stop(self) -> None:
-        with self._lock:  # once this returns, the watchdog can no longer interrupt a later statement
+        with self._lock:
             self._done = True
         self._timer.cancel()
 
@@ -207,7 +210,7 @@ def execute(
     deadline = time.monotonic() + timeout_s
     # Returning non-zero from the progress handler makes SQLite abort the running statement ("interrupted").
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_EVERY_N_OPS)
-    watchdog = _Watchdog(conn, timeout_s)
+    watchdog = Watchdog(timeout_s, conn.interrupt)
     try:
         cursor = conn.execute(sql)
         columns = [d[0] for d in cursor.description or []]
