@@ -9,17 +9,10 @@
 # Pilot warm starts are none of the study's (W = 100, 101, as the pool study's tuning stage). Then the plan again:
 #   python -m analysis.plan results/2026-11-28-ablations/pilot/runs --mde 5 --experiment learn-pool-gpu-ablations \
 #       --treatment agent.check_step=false --baseline agent.check_step=true --out results/2026-11-28-ablations/pilot
-# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl).
+# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
 set -u
-mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
-export PYTHONPATH=/tmp/proj:$PWD PYTHONUNBUFFERED=1 ARL_CACHE_DIR=/tmp/cache ARL_OUTPUT_DIR=/tmp/out
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/env-$MODE.txt
-python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" >> $OUT/env-$MODE.txt 2>&1
-git log -1 --format=%H >> $OUT/env-$MODE.txt 2>&1
-( while true; do echo "$(date +%s) $(cut -d' ' -f1-3 /proc/loadavg) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"; sleep 20; done ) > $OUT/load-$MODE.txt 2>&1 &
-sampler=$!
-start=$(date +%s)
+source bench/device_call.sh
+device_call_begin
 
 P="experiment=learn-pool-gpu-ablations"
 declare -A CELL=(
@@ -48,11 +41,4 @@ for c in $cells; do
   cell 1 $WS1 $c $root $extra $(seeds $WS1)
 done
 wait "${pids[@]}"
-kill $sampler
-echo "exit after $(( $(date +%s) - start )) s" >> $OUT/env-$MODE.txt
-for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill $pid 2>/dev/null; done
-ls -la /tmp/cache/warmstarts /tmp/cache/warmstarts/pools >> $OUT/env-$MODE.txt 2>&1
-# at most 8 files come back from $OUT: the runs in one archive, the sweeps' logs in another
-[ -d /tmp/out ] && cd /tmp/out && tar -czf $OUT/runs-$MODE.tgz --exclude="checkpoint-*" --exclude=final --exclude="*.safetensors" *
-cd $OUT && tar -czf logs-$MODE.tgz *.log && rm *.log
-ls -la $OUT
+device_call_end

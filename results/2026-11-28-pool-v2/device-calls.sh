@@ -16,19 +16,11 @@
 # of 141 at the equal-FLOPs calls' peaks, but SFT continued's 400 s of training plus its validations and the warm
 # start's build under twelve co-tenants would come near the call's limit):
 #   MODE=gpu-s WS0=0 WS1=1 LIMIT=570   (then 2 3, 4 5, 6 7)
-# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl).
+# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
 set -u
-mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
-export PYTHONPATH=/tmp/proj:$PWD PYTHONUNBUFFERED=1 ARL_CACHE_DIR=/tmp/cache ARL_OUTPUT_DIR=/tmp/out
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source bench/device_call.sh
+device_call_begin
 GRID=${GRID:-3e-5,1e-4,3e-4}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/env-$MODE.txt
-python -c "import torch, transformers, trl; print(torch.__version__, transformers.__version__, trl.__version__)" >> $OUT/env-$MODE.txt 2>&1
-git log -1 --format=%H >> $OUT/env-$MODE.txt 2>&1
-# the machine's load every 20 s (how many runs a GPU can take is measured, not guessed)
-( while true; do echo "$(date +%s) $(cut -d' ' -f1-3 /proc/loadavg) $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr '\n' ' ')"; sleep 20; done ) > $OUT/load-$MODE.txt 2>&1 &
-sampler=$!
-start=$(date +%s)
 
 sweep() {  # sweep GPU NAME OVERRIDES...: one multirun in the background, its log in $OUT
   local gpu=$1 name=$2; shift 2
@@ -79,12 +71,4 @@ case $MODE in
   *) echo "unknown MODE=$MODE"; exit 2 ;;
 esac
 wait "${pids[@]}"
-kill $sampler
-echo "exit after $(( $(date +%s) - start )) s" >> $OUT/env-$MODE.txt
-for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill $pid 2>/dev/null; done
-ls -la /tmp/cache/warmstarts /tmp/cache/warmstarts/pools >> $OUT/env-$MODE.txt 2>&1
-cat /tmp/cache/warmstarts/pools/*.json 2>/dev/null | grep -v '^  "' | head -40 >> $OUT/env-$MODE.txt
-# at most 8 files come back from $OUT: the runs (with their own launch logs) in one archive, the sweeps' logs in another
-cd /tmp/out && tar -czf $OUT/runs-$MODE.tgz --exclude="checkpoint-*" --exclude=final --exclude="*.safetensors" *
-cd $OUT && tar -czf logs-$MODE.tgz *.log && rm *.log
-ls -la $OUT
+device_call_end
