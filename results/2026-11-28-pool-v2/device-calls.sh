@@ -11,11 +11,13 @@
 #   MODE=main-rl WS0=0 WS1=1 WS2=2: GRPO and RFT from the same builds (the next call on the same warm machine).
 # The main study at equal GPU-seconds (experiment=learn-pool-gpu-v2-gpu-s; its own builds of the warm starts): the
 # eight runs of a warm start side by side on one GPU for the whole budget, so every arm meets the same co-tenants;
-# two warm starts a call, one a GPU: every GPU holds one warm start's eight runs and nothing else, so every warm start
-# meets the same co-tenants (with a third split between the GPUs, twelve runs a GPU would fit the memory, ~114 GB
-# of 141 at the equal-FLOPs calls' peaks, but SFT continued's 400 s of training plus its validations and the warm
-# start's build under twelve co-tenants would come near the call's limit):
-#   MODE=gpu-s WS0=0 WS1=1 LIMIT=570   (then 2 3, 4 5, 6 7)
+# one warm start a GPU, warm start WSg on GPU g (as many of WS0-WS3 as are set): every GPU holds one warm start's
+# eight runs and nothing else, so every warm start meets the same co-tenants (with a third split between the GPUs,
+# twelve runs a GPU would fit the memory, ~114 GB of 141 at the equal-FLOPs calls' peaks, but SFT continued's 400 s of
+# training plus its validations and the warm start's build under twelve co-tenants would come near the call's limit):
+#   on nvidia-h200-x4 (4 x H200, 64 cores: the same GPU, cores and memory a GPU as the x2 machine):
+#   MODE=gpu-s WS0=0 WS1=1 WS2=2 WS3=3 LIMIT=570   (then 4 5 6 7)
+#   on nvidia-h200-x2: MODE=gpu-s WS0=0 WS1=1 LIMIT=570   (then 2 3, 4 5, 6 7)
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
 set -u
 source bench/device_call.sh
@@ -51,6 +53,15 @@ run_arms() {  # run_arms PRESET PREFIX ARM...: WS0's runs on GPU 0, WS1's on GPU
     i=$((i + 1))
   done
 }
+run_per_gpu() {  # run_per_gpu PRESET PREFIX ARM...: warm start WSg's runs, every arm, all on GPU g (g = 0-3, where set)
+  local preset=$1 prefix=$2 g w a
+  shift 2
+  for g in 0 1 2 3; do
+    w=$(eval echo "\${WS$g:-}")
+    [ -z "$w" ] && continue
+    for a in "$@"; do sweep $g $prefix-ws$w-$a $preset $(ws $w) $(seeds $w) $(arm $a); done
+  done
+}
 M="experiment=learn-pool-gpu-v2"
 T="experiment=learn-pool-gpu-v2-tune"
 G="experiment=learn-pool-gpu-v2-gpu-s"
@@ -67,7 +78,7 @@ case $MODE in
     done ;;
   main-sft) run_arms $M main cont gold ;;
   main-rl) run_arms $M main grpo rft ;;
-  gpu-s) run_arms $G gpu-s grpo cont rft gold ;;
+  gpu-s) run_per_gpu $G gpu-s grpo cont rft gold ;;
   *) echo "unknown MODE=$MODE"; exit 2 ;;
 esac
 wait "${pids[@]}"
