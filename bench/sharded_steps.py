@@ -10,6 +10,11 @@ generates from, sharded checkpoints) on a machine with one GPU, with nothing to 
 tasks a step (4 rollouts each) instead of 16 (`--extra algorithm.tasks_per_step=T`: every variant): `fsdp2x2:32`
 gives each of 2 GPUs the work one GPU has at 16 (weak scaling). `verlxN` runs the same recipe with backend=verl on N
 GPUs (verl places its Ray workers itself); `--trl-extra` and `--verl-extra` reach one backend's variants only.
+`--resume-steps K` runs each variant that finished once more in its own directory with K more steps: it resumes from
+the checkpoint its first run saved at its last step (weights and optimizer state), and its row gets a `resume` entry
+(the steps the second start trained, its wall time, the run's disk plan and what its checkpoints and final model take
+on disk, hard links counted once) beside `disk`, the same after the first start: the save-and-resume check of a
+full fine-tune at scale (issue 46: `--shape qwen25_7b --variants fsdp2x2 --steps 2 --resume-steps 1`).
 The response budget holds a whole rollout of a random model (6 calls of 256 tokens and the tool results between them),
 so every rollout is trained on, as in a real run.
 
@@ -26,6 +31,8 @@ results committed before.
         --extra backend.offload=optimizer backend.vllm_gpu_memory_utilization=0.5 backend.gradient_checkpointing=true \
         algorithm.micro_batch_size=1 algorithm.tasks_per_step=8 --out ...                       # 7B full, 2 GPUs
     python bench/sharded_steps.py --shape tiny --device cpu --variants plain fsdp2x2 --steps 2       # the same on CPU
+    python bench/sharded_steps.py --shape qwen25_7b --variants fsdp2x2 --steps 2 --resume-steps 1 \
+        --extra [the 7B line's] algorithm.keep_checkpoints=1 --out ...           # 7B full: save, then resume a step
     python bench/sharded_steps.py --shape qwen25_1_5b --steps 3 --variants verlx1 plain --extra finetune=full \
         algorithm.test_at_end=false --trl-extra backend.memory_check=false --out ...        # verl beside trl, 1 GPU
 
@@ -93,10 +100,10 @@ def tasks_of(variant: str, extra: list[str]) -> int:
     return int(tasks) if tasks else setting(extra, "algorithm.tasks_per_step", RECIPE_TASKS)
 
 
-def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+def variant_command(variant: str, args: argparse.Namespace, run_dir: Path, steps: int) -> list[str]:
     shape = [f"model.{k}={v}" for k, v in SHAPES[args.shape].items()]
     shape += [f"model.num_key_value_heads={KV_HEADS[args.shape]}", *EMBEDDINGS.get(args.shape, [])]
-    common = [*RECIPE, *shape, f"algorithm.max_steps={args.steps}", *args.extra]
+    common = [*RECIPE, *shape, f"algorithm.max_steps={steps}", *args.extra]
     common.append(f"algorithm.tasks_per_step={tasks_of(variant, args.extra)}")
     launch = [sys.executable, str(ROOT / "launch.py"), *common, f"hydra.run.dir={run_dir}"]
     kind = variant.partition(":")[0]
@@ -113,17 +120,63 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path) -> li
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *launch[1:]]
 
 
+def start_variant(variant: str, args: argparse.Namespace, out_dir: Path, steps: int) -> tuple[int, float]:
+    """One start of the variant's run in its directory, trained up to `steps`: its exit code and wall seconds."""
+    run_dir = out_dir / variant.replace(":", "-")
+    env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
+    if variant.partition(":")[0] == "fsdp2x1":
+        env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
+    start = time.monotonic()
+    finished = subprocess.run(variant_command(variant, args, run_dir, steps), env=env, cwd=ROOT)
+    return finished.returncode, time.monotonic() - start
+
+
 def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     run_dir = out_dir / variant.replace(":", "-")
     shutil.rmtree(run_dir, ignore_errors=True)  # a run left there would refuse other settings, or be resumed
     one_rank = variant.partition(":")[0] == "fsdp2x1"  # a rank of its own: it writes ranks/results.json
-    env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
-    if one_rank:
-        env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
-    start = time.monotonic()
-    finished = subprocess.run(variant_command(variant, args, run_dir), env=env, cwd=ROOT)
+    returncode, wall_s = start_variant(variant, args, out_dir, args.steps)
     rollouts = tasks_of(variant, args.extra) * setting(args.extra, "algorithm.group_size", RECIPE_GROUP)
-    return row(variant, run_dir, one_rank, finished.returncode, rollouts) | {"wall_s": time.monotonic() - start}
+    return row(variant, run_dir, one_rank, returncode, rollouts) | {"wall_s": wall_s, "disk": disk(run_dir)}
+
+
+def resume_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """The variant's finished run started again with `--resume-steps` more steps: it resumes from its checkpoint."""
+    run_dir = out_dir / variant.replace(":", "-")
+    returncode, wall_s = start_variant(variant, args, out_dir, args.steps + args.resume_steps)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    trained = [m for m in steps if "timing_s/step" in m and m.get("step", 0) > args.steps]
+    return {
+        "returncode": returncode,
+        "status": summary.get("status"),
+        "error": None if returncode == 0 else str(summary.get("error"))[-2000:],
+        "steps_after_resume": [m.get("step") for m in trained],
+        "step_s_each": [round(m["timing_s/step"] - m.get("timing_s/validation", 0.0), 2) for m in trained],
+        "wall_s": wall_s,
+        "disk": disk(run_dir),
+    }
+
+
+def disk(run_dir: Path) -> dict[str, Any]:
+    """The run's disk plan (summary.json) and what each of its checkpoints and its final model take on disk, a file
+    hard-linked into several of them counted in the first only; and the disk's free bytes now."""
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    seen: set[int] = set()
+    used: dict[str, int] = {}
+    checkpoints = run_dir / "checkpoints"
+    for entry in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
+        files = [f for f in entry.rglob("*") if f.is_file()]
+        fresh = [f.stat() for f in files if f.stat().st_ino not in seen]
+        seen.update(st.st_ino for st in fresh)
+        used[entry.name] = sum(st.st_size for st in fresh)
+    return {
+        "plan": summary.get("disk_plan"),
+        "final_model": summary.get("final_model"),
+        "bytes_new_in_each": used,
+        "free_bytes": shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free,
+    }
 
 
 def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: int) -> dict[str, Any]:
@@ -193,6 +246,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("outputs/bench-sharded"))
     parser.add_argument("--out", type=Path, help="results JSON")
     parser.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides, for every variant")
+    parser.add_argument("--resume-steps", type=int, default=0, help="start each finished run again: K more steps")
     parser.add_argument("--trl-extra", nargs="*", default=[], help="overrides for the backend=trl variants only")
     parser.add_argument("--verl-extra", nargs="*", default=[], help="overrides for the backend=verl variants only")
     args = parser.parse_args()
@@ -241,6 +295,11 @@ def main() -> None:
         print(json.dumps(row))
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
+        if args.resume_steps and "failed" not in row:
+            row["resume"] = resume_variant(variant, args, args.work)
+            print(json.dumps(row["resume"]))
+            if args.out:
+                args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
