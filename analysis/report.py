@@ -52,6 +52,7 @@ from analysis.verdicts import (
     declared,
     declared_keys,
     estimate_of,
+    ledger_folder,
     look_note,
     parse_override,
     per_cluster,
@@ -795,9 +796,9 @@ def _html_text(text: str) -> str:
 
 def record_looks(report: Report, ledger_dir: Path) -> dict[str, str]:
     """Where the report shows test-split scores (any completed run's `test_final`), its look goes into the ledger
-    kept with the runs (`ledger_dir`: the first run folder given, whichever folder the report is written to; see
-    analysis/verdicts.py `Ledger`). Per declared comparison, the note its verdict carries; under "", a sentence for
-    the report's introduction."""
+    kept with the runs (`ledger_dir`: the study's folder, whichever folder the report is written to; see
+    analysis/verdicts.py `Ledger`, `ledger_folder`). Per declared comparison, the note its verdict carries; under "",
+    a sentence for the report's introduction."""
     done = report.runs[report.runs.status == COMPLETED]
     if done.test_final.isna().all():
         return {}
@@ -862,7 +863,7 @@ def main(argv: list[str] | None = None) -> Path:
         report, factors = build(runs, args.metric)
     except ValueError as exc:
         parser.error(str(exc))
-    write(report, runs, factors, args.sources, out, Path(local[0]) if local else out)
+    write(report, runs, factors, args.sources, out, ledger_folder(local) if local else out)
     print(f"{len(runs)} runs ({len(report.problems)} failed or unfinished), factors: {', '.join(factors) or 'none'}")
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return out

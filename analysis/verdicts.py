@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +28,7 @@ import numpy as np
 import pandas as pd
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from analysis.runs import COMPLETED
+from analysis.runs import COMPLETED, WANDB_PREFIX
 from foundation.stats import LEVEL, Comparison, Estimate, bootstrap_clusters_items, clustered, holm, paired, welch
 from foundation.study import WARM_START, Study
 
@@ -302,7 +303,13 @@ class Ledger:
     def record(self, table: pd.DataFrame, metric: str, verdicts: list[Verdict]) -> tuple[Look, list[Look]]:
         """This look (appended unless the same runs and scores were looked at before) and the looks before it."""
         done = table[(table.status == COMPLETED) & table[metric].notna()]
-        scores = sorted((str(r), float(v)) for r, v in zip(done.run, done[metric], strict=True))
+        # each run named from the folder above the ledger's, however the report named its sources
+        base = self.path.parent.parent
+        runs = [
+            r if s.startswith(WANDB_PREFIX) else os.path.relpath(Path(s).parent / r, base)
+            for s, r in zip(done.source, done.run, strict=True)
+        ]
+        scores = sorted((str(r), float(v)) for r, v in zip(runs, done[metric], strict=True))
         fingerprint = hashlib.sha256(json.dumps([metric, scores]).encode()).hexdigest()[:16]
         looks = self.looks()
         for i, look in enumerate(looks):
@@ -320,6 +327,20 @@ class Ledger:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(look)) + "\n")
         return look, looks
+
+
+def ledger_folder(sources: list[str]) -> Path:
+    """Where a report on the run folders `sources` records its look at the test split: the nearest folder at or above
+    their common folder that already keeps a ledger (a report on part of a judged study is a look at that study, not
+    the first look at a new one), else the common folder itself."""
+    try:
+        common = Path(os.path.commonpath(sources))
+    except ValueError:  # absolute and relative paths mixed
+        common = Path(os.path.commonpath([str(Path(s).resolve()) for s in sources]))
+    for folder in (common, *common.parents):
+        if (folder / LEDGER).is_file():
+            return folder
+    return common
 
 
 def look_note(name: str, outcome: str, look: Look, before: list[Look]) -> str:

@@ -622,6 +622,21 @@ def test_every_look_at_the_test_split_is_recorded_and_a_changed_verdict_says_so(
     assert "look 2 at it (" in md and "1 look before this one" in md
 
 
+def test_a_report_on_part_of_a_judged_study_is_a_look_at_that_study(tmp_path: Path) -> None:
+    """After the study's look, a report on one of its folders (or on its folders named one by one) is recorded in
+    the study's ledger, not as the first look of a ledger of its own."""
+    study = tmp_path / "study"
+    write_study(study / "ws0", DECLARED, {0: STEADY[0]})
+    write_study(study / "ws12", DECLARED, {1: STEADY[1], 2: STEADY[2]})
+    report.main([str(study), "--out", str(tmp_path / "report")])
+    report.main([str(study / "ws12"), "--out", str(tmp_path / "part")])
+    report.main([str(study / "ws0"), str(study / "ws12"), "--out", str(tmp_path / "named")])
+    ledger = [json.loads(x) for x in (study / "ledger.jsonl").read_text().splitlines()]
+    assert [(look["look"], look["runs"]) for look in ledger] == [(1, 27), (2, 18)]
+    assert not (study / "ws12" / "ledger.jsonl").exists()
+    assert "look 2 at it (" in (tmp_path / "part" / "report.md").read_text()
+
+
 def test_showing_test_scores_is_a_look_whatever_metric_the_report_judges(tmp_path: Path) -> None:
     """The cells table shows `test_final` beside validation: a report on `val_final` still records the look."""
     write_study(tmp_path / "study", None, STEADY)
