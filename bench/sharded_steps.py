@@ -14,7 +14,9 @@ GPUs (verl places its Ray workers itself); `--trl-extra` and `--verl-extra` reac
 the checkpoint its first run saved at its last step (weights and optimizer state), and its row gets a `resume` entry
 (the steps the second start trained, its wall time, the run's disk plan and what its checkpoints and final model take
 on disk, hard links counted once) beside `disk`, the same after the first start: the save-and-resume check of a
-full fine-tune at scale (issue 46: `--shape qwen25_7b --variants fsdp2x2 --steps 2 --resume-steps 1`).
+full fine-tune at scale (issue 46: `--shape qwen25_7b --variants fsdp2x2 --steps 2 --resume-steps 1`). Where both
+starts do not fit one device call, `--resume-only` (the next call on the same warm machine, the same arguments) runs
+only the second start of each variant that `--out` already holds finished, and adds its `resume` entry there.
 The response budget holds a whole rollout of a random model (6 calls of 256 tokens and the tool results between them),
 so every rollout is trained on, as in a real run.
 
@@ -247,6 +249,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="results JSON")
     parser.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides, for every variant")
     parser.add_argument("--resume-steps", type=int, default=0, help="start each finished run again: K more steps")
+    parser.add_argument("--resume-only", action="store_true", help="only the second starts of --out's finished rows")
     parser.add_argument("--trl-extra", nargs="*", default=[], help="overrides for the backend=trl variants only")
     parser.add_argument("--verl-extra", nargs="*", default=[], help="overrides for the backend=verl variants only")
     args = parser.parse_args()
@@ -286,6 +289,16 @@ def main() -> None:
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume_only:  # the first starts ran in an earlier call: their rows are in --out, their runs in --work
+        if not (args.resume_steps and args.out and args.out.is_file()):
+            parser.error("--resume-only needs --resume-steps and the --out file the first starts wrote")
+        report = json.loads(args.out.read_text())
+        for row in report["rows"]:
+            if "failed" not in row and row["variant"] in args.variants:
+                row["resume"] = resume_variant(row["variant"], args, args.work)
+                print(json.dumps(row["resume"]))
+                args.out.write_text(json.dumps(report, indent=1))
+        return
     # written after every variant, so a bench stopped by its time limit keeps the variants it finished
     for variant in args.variants:
         row = run_variant(variant, args, args.work)
