@@ -23,14 +23,19 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop import agent_loop as verl_loop
 from verl.trainer.ppo import rollout_corr_helper
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage, get_adv_estimator_fn
+from verl.trainer.ppo.metric_utils import process_validation_metrics
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.trainer.ppo.reward import extract_reward
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
 
 from backends.samples import sample_of
 from backends.trl.rollouts import run_on_server
 from backends.verl import runner
-from backends.verl.loop import FAIL_CLOSED_GRPO, LOOP_NAME, loop_config, task_row
+from backends.verl.loop import FAIL_CLOSED_GRPO, ITEM_ID, ITEM_SCORE, LOOP_NAME, loop_config, task_row
 from backends.verl.runner import step_metrics
+from backends.verl.train import copy_item_scores
+from foundation.run_dir import RunDir
 from inference.policy_server import PolicyServer, eos_ids_of
 from models.chat import ChatFormat
 from tests.conftest import ROOT, micro_tiny
@@ -266,6 +271,28 @@ def test_failed_rollouts_train_nothing_in_verls_batch_and_leave_their_groups_bas
     assert metrics["rollout/excluded_reward_error_rate"] == 1 / 7
     assert metrics["train/reward_mean"] == pytest.approx(np.mean([REWARDS[i] for i in ("r0", "r1", "r3", "r4")]))
     assert metrics["rollout/llm_calls_mean"] == 2.0
+
+
+def test_each_questions_validation_score_reaches_the_run_through_verls_own_dump(tmp_path: Path) -> None:
+    """verl's validation as its `_validate` runs on our loop's batch: its metrics (they skip our string ids), its
+    dump in `trainer.validation_data_dir` (verl's own writer), read back into the run's scores/ as backend=trl writes
+    them: every question's score, None where its reward is missing."""
+    ids = ["r0", "agent fails", "r1", "reward fails"]
+    batch = two_turn_batch(tmp_path, ids, ["A", "A", "B", "B"])
+    reward_tensor, extra = extract_reward(batch)
+    scores = reward_tensor.sum(-1).tolist()
+    infos = {"reward": list(scores)} | {k: v.tolist() for k, v in extra.items()}
+    metrics = process_validation_metrics(["spider"] * len(ids), ids, infos)["spider"]
+    assert ITEM_ID not in metrics and metrics[ITEM_SCORE]["mean@1"] == pytest.approx(0.5)  # over the scored ones
+    dumps = tmp_path / "validation"
+    for step, step_scores in ((0, scores), (5, [0.0] * len(ids))):
+        RayPPOTrainer._write_generations(["q"] * 4, ["a"] * 4, [None] * 4, step_scores, infos, str(dumps), step)
+    run = RunDir(tmp_path / "run")
+    copy_item_scores(dumps, run)
+    written = {f.stem: json.loads(f.read_text()) for f in run.scores.glob("*.json")}
+    assert sorted(written) == ["val_final", "val_step0", "val_step5"]
+    assert written["val_final"] == {"r0": 1.0, "agent fails": None, "r1": 0.0, "reward fails": None}
+    assert written["val_step0"] == written["val_step5"] == written["val_final"]  # our scores, not verl's `score`
 
 
 class NoUpdate:

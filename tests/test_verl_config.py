@@ -47,6 +47,8 @@ def test_validate_writes_verls_inputs_and_config_from_ours(tmp_path: Path) -> No
     rollout = config.actor_rollout_ref.rollout
     assert rollout.n == 8 and rollout.logprobs_mode == "processed_logprobs" and rollout.calculate_log_probs
     assert rollout.agent.default_agent_loop == "arl_agent" and config.trainer.use_v1 is False
+    # each validation's rollouts dumped where backends/verl/train.py reads each question's score back
+    assert Path(config.trainer.validation_data_dir) == run_dir.resolve() / "verl" / "validation"
     model_path = Path(config.actor_rollout_ref.model.path)
     assert model_path.is_absolute() and (model_path / "config.json").is_file()  # the tiny model, built here
     # one row per task, the task whole in extra_info (its database path absolute: the workers run elsewhere)

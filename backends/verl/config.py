@@ -258,6 +258,7 @@ def verl_overrides(
             "project_name": backend.project_name,
             "experiment_name": run_path.name,
             "default_local_dir": str(run_path / "checkpoints"),
+            "validation_data_dir": str(run_path / "verl" / "validation"),  # each validation's rollouts: item scores
         },
     }
 

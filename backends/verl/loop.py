@@ -43,6 +43,7 @@ from models.chat import ChatFormat
 
 # The name under which verl finds the loop (`agent_name` of each row, `agent.default_agent_loop`).
 LOOP_NAME = "arl_agent"
+ITEM_ID, ITEM_SCORE = "item_id", "item_score"  # the keys of each rollout's question id and score in verl's dumps
 # The advantage estimator that leaves excluded rollouts out of their group (`algorithm.adv_estimator`).
 FAIL_CLOSED_GRPO = "grpo_fail_closed"
 
@@ -181,6 +182,9 @@ def loop_output(
             "agent_turns": rollout.trajectory.turns,
             "min_global_steps": weight_steps[0],
             "max_global_steps": weight_steps[1],
+            # verl's validation dumps these per rollout (trainer.validation_data_dir): each question's score, read
+            # back into the run's scores/ (backends/verl/train.py `copy_item_scores`); None where the reward is missing
+            "reward_extra_info": {ITEM_ID: str(rollout.task["id"]), ITEM_SCORE: rollout.reward},
         },
     )
 

@@ -29,7 +29,7 @@ from backends.ray_cluster import start_ray_cluster
 from backends.setup import TrainSetup
 from backends.sft import RunTasks, SFTWarmstart, WarmStart, run_tasks, warm_start
 from backends.verl.config import ModelSource, build_verl_config, check_algorithm, check_shape
-from backends.verl.loop import loop_config, task_row
+from backends.verl.loop import ITEM_ID, ITEM_SCORE, loop_config, task_row
 from inference.policy_server import eos_ids_of
 from models.hub import HubModel, offline
 
@@ -198,7 +198,27 @@ def train_verl(backend: Any, setup: TrainSetup) -> dict[str, Any]:
     finally:
         ray.shutdown()
     copy_metrics(verl_metrics, run)
+    copy_item_scores(Path(config.trainer.validation_data_dir), run)
     return results | {"fit": "completed", "train_s": round(time.monotonic() - start, 1)}
+
+
+def copy_item_scores(dumps: Path, run: Any) -> None:
+    """Each validation's question scores, from verl's dumps (`<step>.jsonl`, a line per rollout with our loop's
+    `reward_extra_info`), into the run's `scores/val_step<step>.json`, the last one also as `val_final.json`, as
+    backend=trl writes them; a question answered more than once (val_kwargs.n > 1) gets its mean score."""
+    files = sorted(dumps.glob("*.jsonl"), key=lambda f: int(f.stem)) if dumps.is_dir() else []
+    for i, dump in enumerate(files):
+        by_item: dict[str, list[float | None]] = {}
+        for line in dump.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            by_item.setdefault(str(record[ITEM_ID]), []).append(record[ITEM_SCORE])
+        scores: dict[str, float | None] = {}
+        for item, values in by_item.items():
+            known = [v for v in values if v is not None]
+            scores[item] = sum(known) / len(known) if known and len(known) == len(values) else None
+        run.write_scores(f"val_step{dump.stem}", scores)
+        if i == len(files) - 1:
+            run.write_scores("val_final", scores)
 
 
 def copy_metrics(verl_metrics: Path, run: Any) -> None:
