@@ -57,7 +57,7 @@ class LitSQLAgent(agl.LitAgent[dict[str, Any]]):
             messages.append({"role": "assistant", "content": reply})
             return reply
 
-        schema = schema_text(task["db_path"], "compact")[:1200]
+        schema = schema_text(task["db_path"])[:2000]  # its CREATE TABLE statements, as LangChain's get_table_info
         messages = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"{schema}\nQuestion: {task['question']}"},

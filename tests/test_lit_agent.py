@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 import agent.lit as agl
@@ -99,6 +100,13 @@ class AsyncAgent(agl.LitAgent[dict[str, Any]]):
         return 0.75
 
 
+class ScoresItsMode(agl.LitAgent[dict[str, Any]]):
+    """1.0 when told it samples as in training, 0.0 when told it validates."""
+
+    def rollout(self, task: dict[str, Any], resources: agl.NamedResources, rollout: agl.Rollout) -> float | None:
+        return {"train": 1.0, "val": 0.0}.get(str(rollout.mode))
+
+
 def runner(cls: str, **kwargs: Any) -> LitAgentRunner:
     return LitAgentRunner(cls=f"tests.test_lit_agent:{cls}" if ":" not in cls else cls, **kwargs)
 
@@ -174,6 +182,19 @@ def test_against_a_real_endpoint_the_calls_are_relayed_to_it(tasks: list[dict]) 
     trajectory = asyncio.run(asyncio.wait_for(go(), 60))
     assert trajectory.error is None and trajectory.agent_reward == 1.0 and len(replay.replies) == 2
     assert trajectory.turns == 2 and trajectory.final_sql == tasks[0]["query"]
+
+
+@pytest.mark.parametrize(("route", "mode_reward"), [("val3", 0.0), ("pool3", 1.0), ("7", 1.0)])
+def test_the_policy_servers_route_tells_the_class_whether_it_validates(
+    route: str, mode_reward: float, tasks: list[dict]
+) -> None:
+    """Validation's routes (`val<i>`) are validation; the pool's (`pool<i>`) and training's sample as in training: a
+    class that validates greedily (the worked example's `val_temperature`) would make a pool of identical samples,
+    where no task is solved only sometimes."""
+    transport = httpx.ASGITransport(app=chat_app(ReplayChat([]).answer))
+    llm = OpenAIChat.connect(f"http://policy/rollouts/{route}/v1", "policy", transport=transport)
+    trajectory = asyncio.run(asyncio.wait_for(runner("ScoresItsMode").run(tasks[0], llm), 60))
+    assert trajectory.error is None and trajectory.agent_reward == mode_reward
 
 
 def test_a_rollout_past_its_time_limit_is_an_agent_error_and_does_not_hold_the_step(tasks: list[dict]) -> None:

@@ -36,8 +36,12 @@ class FakeServer:
         pass
 
 
-def fake_validate(agent: Any, repeated: list[dict], server: FakeServer, *args: Any) -> tuple[None, list[Any]]:
-    """Each task right RIGHT[id] of its samples; each rollout prefills PROMPT tokens and generates REPLY."""
+def fake_validate(
+    agent: Any, repeated: list[dict], server: FakeServer, *args: Any, route: str = "val"
+) -> tuple[None, list[Any]]:
+    """Each task right RIGHT[id] of its samples; each rollout prefills PROMPT tokens and generates REPLY. The pool's
+    rollouts must not be named as validation's (an agent=lit class would validate greedily: samples all alike)."""
+    assert route == pool.POOL_ROUTE != "val"
     seen: dict[str, int] = {}
     rollouts = []
     for task in repeated:
@@ -153,3 +157,17 @@ def test_a_run_whose_start_solves_nothing_stops_with_the_pools_counts(cache_dir:
     # kept for the next run all the same, with what sampling it cost (HF generate: every prompt prefilled whole)
     pools = [json.loads(p.read_text()) for p in (cache_dir / "warmstarts" / "pools").glob("pool-*.json")]
     assert pools and all(p["prefill_tokens"] > p["samples"] * p["tasks"] and p["flops"] > 0 for p in pools)
+
+
+@pytest.mark.integration
+def test_training_tasks_that_cannot_fill_a_step_stop_the_run_before_it_trains(cache_dir: Path, tmp_path: Path) -> None:
+    """About 8 tasks for GRPO and 16 a step: the trainer's data loader would have no batch and the run would end
+    "completed" with no step (as a pool smaller than a step did); it stops, naming the key and what fits."""
+    run_dir = tmp_path / "run"
+    args = [*FAST_RUN, "warmstart.rl_tasks=8", "algorithm.tasks_per_step=16", f"hydra.run.dir={run_dir}"]
+    result = launch(args, cache_dir, tmp_path)
+    assert result.returncode != 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary.get("steps") in (None, 0)
+    assert re.search(r"\d training tasks, fewer than a step's algorithm.tasks_per_step=16", summary["error"])
+    assert not [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["step"] > 0]

@@ -53,6 +53,21 @@ def arm_for(algo: GRPO) -> Arm:
     return GRPOArm(accept_reward=algo.accept_reward if isinstance(algo, RFT) else None)
 
 
+def fills_a_step(ctx: RunContext) -> None:
+    """Raises unless the training tasks fill one step: with fewer than `tasks_per_step` the trainer's data loader has no
+    batch, and the run would end "completed" without a step."""
+    algo, tasks = ctx.algo, len(ctx.tasks.train)
+    if tasks >= algo.tasks_per_step:
+        return
+    pool = ctx.results.get("pool")
+    whose = f"the pool kept {tasks} of {pool['tasks']} tasks" if pool else f"{tasks} training tasks"
+    raise RuntimeError(
+        f"{whose}, fewer than a step's algorithm.tasks_per_step={algo.tasks_per_step}: no step can be filled, so "
+        f"nothing would train. Set algorithm.tasks_per_step={max(tasks, 1)} or less (a step is it x group_size "
+        "rollouts), or give it more tasks" + (" (algorithm.pool_samples=null: every task)" if pool else "")
+    )
+
+
 class GRPOArm:
     """GRPO's phase (or RFT's, with `accept_reward`): from the checkpoint the run resumes from, if any; a stop signal
     ends it at a step's end with a checkpoint (`Interrupted`). Then what each rank did, and the final model."""
@@ -61,6 +76,7 @@ class GRPOArm:
         self.accept_reward = accept_reward  # RFT: a rollout with at least this reward is a demonstration
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
+        fills_a_step(ctx)
         trainer, step_log = self._trainer(ctx)
         ctx.results["grpo"] = self._train(ctx, trainer, step_log)
         if started_by_launcher():  # how the ranks held the model, read off it (not the setting)

@@ -40,6 +40,7 @@ def pool_key(start: str, tasks: list[dict[str, Any]], settings: dict[str, Any]) 
 
 
 CHUNK_ROLLOUTS = 1024  # rollouts sampled together (a training step's batch is about this size or less)
+POOL_ROUTE = "pool"  # the pool's rollouts' route names: sampled as in training, never named as validation's (`val`)
 
 
 def sample_pool(
@@ -67,7 +68,7 @@ def sample_pool(
         chunk = tasks[start : start + per_chunk]
         load()
         repeated = [task for task in chunk for _ in range(samples)]
-        _, rollouts = validate_policy(agent, repeated, server, metric, sampling, reward_timeout_s)
+        _, rollouts = validate_policy(agent, repeated, server, metric, sampling, reward_timeout_s, route=POOL_ROUTE)
         right += [
             sum((r.reward or 0.0) >= 1.0 for r in rollouts[i * samples : (i + 1) * samples]) for i in range(len(chunk))
         ]
@@ -156,6 +157,7 @@ def pool_of(ctx: RunContext, tasks: list[dict[str, Any]], start: str) -> tuple[l
         "lengths": [algo.max_prompt_length, algo.max_response_length],
         "agent": repr(setup.agent),
         "metric": repr(ctx.metric),
+        "route": POOL_ROUTE,  # in the key: pools sampled under validation's route names (agent=lit: greedy) are stale
     }
     pools = Path(setup.warmstart.cache_dir) / "pools" if setup.warmstart is not None else setup.run.checkpoints
     path = pools / f"pool-{pool_key(start, tasks, settings)}.json"

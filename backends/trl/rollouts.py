@@ -334,10 +334,13 @@ def validate_policy(
     metric: Reward,
     sampling: dict[str, Any],
     reward_timeout_s: float | None = None,
+    route: str = "val",
 ) -> tuple[EvalSummary, list[Rollout]]:
     """Evaluation of the server's model on `tasks` (greedy when `sampling` says so), all batched together; the
-    server's engine has its weights (`server.load`, which the caller makes on every rank when they are sharded)."""
-    chats = [server.chat_model(f"val{i}", sampling) for i in range(len(tasks))]
+    server's engine has its weights (`server.load`, which the caller makes on every rank when they are sharded).
+    `route`: the rollouts' route names' prefix, what an agent that asks sees of why it runs (agent=lit: `val` is a
+    validation rollout, anything else one that samples as in training, as the pool's do)."""
+    chats = [server.chat_model(f"{route}{i}", sampling) for i in range(len(tasks))]
 
     async def go() -> tuple[EvalSummary, list[Rollout]]:
         with server.active_rollouts(len(tasks)):
@@ -355,4 +358,4 @@ def validate_policy(
     finally:
         server.engine.sleep()
         for i in range(len(tasks)):
-            server.pop_records(f"val{i}")
+            server.pop_records(f"{route}{i}")
