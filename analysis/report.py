@@ -508,7 +508,7 @@ def _compute_line(treated: pd.DataFrame, control: pd.DataFrame) -> str:
         line += f"; GPU-seconds with the pool's sampling: {whole[0]} vs {whole[1]}"
     if treated.flops.notna().any() or control.flops.notna().any():
         flops = ["n/a" if r.flops.isna().all() else f"{r.flops.mean():.2e}" for r in (treated, control)]
-        line += f"; training FLOPs per run: {flops[0]} vs {flops[1]}"
+        line += f"; FLOPs per run (`compute/flops`: training, rollouts, the pool's sampling): {flops[0]} vs {flops[1]}"
     both = pd.concat([treated, control])
     for column, name, fmt in BUDGETS:
         values = both[column]

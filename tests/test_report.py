@@ -25,8 +25,9 @@ SPREAD = (-0.005, 0.0, 0.005)
 # interval stays 1.2), while the differences of cells paired by seed vary (a paired interval of 2.2 points)
 ROTATION = {(2048, 1): 0, (2048, 3): 1, (4096, 1): 1, (4096, 3): 2}
 # what each verdict line of `write_arm`'s runs ends with
-COST = "Training GPU-seconds per run: 181 vs 181; training FLOPs per run: 1.81e+15 vs 1.81e+15; " + (
-    "equal budget: training seconds (180 s)."
+COST = (
+    "Training GPU-seconds per run: 181 vs 181; FLOPs per run (`compute/flops`: training, rollouts, the pool's "
+    "sampling): 1.81e+15 vs 1.81e+15; equal budget: training seconds (180 s)."
 )  # seeds 0, 1, 2 around the cell mean: sd 0.5 points
 
 
