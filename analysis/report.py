@@ -40,7 +40,6 @@ import matplotlib
 import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
-from scipy import stats
 
 from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load
 from analysis.verdicts import (
@@ -537,9 +536,20 @@ def _unset(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
+def curve_band(curves: pd.DataFrame, key: str) -> tuple[list[Any], np.ndarray, np.ndarray]:
+    """A cell's curve of `key` (its runs' logged values, a `point` and a `cluster` per row): the points, each point's
+    mean and its 95% half-width, taken as the verdicts take theirs: over warm starts where seeds share them
+    (`estimate_of`), else over the values."""
+    known = curves.dropna(subset=[key])
+    points = sorted(known.point.unique())
+    bands = [estimate_of(known[known.point == p], key) for p in points]
+    return points, np.array([b.mean for b in bands]), np.array([b.half or 0.0 for b in bands])
+
+
 def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path: Path) -> None:
-    """Training reward and validation accuracy, one line per cell (mean over seeds, ±95% CI band), against training
-    seconds where every run logs them (arms of equal compute line up; averaged in 12 time bins), else against step."""
+    """Training reward and validation accuracy, one line per cell (mean, ±95% CI band over warm starts where seeds
+    share them, else over seeds: `estimate_of`), against training seconds where every run logs them (arms of equal
+    compute line up; averaged in 12 time bins), else against step."""
     done = table[table.status == COMPLETED]
     by_name = {(r.source, r.name): r for r in runs}
     members = [by_name[(row.source, row.run)] for row in done.itertuples()]
@@ -550,7 +560,7 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
     for index, cell in enumerate(_cells(done, factors)):
         color = f"C{index % 10}"  # a cell's colour on both axes (a control has no reward line)
         frames = [
-            pd.DataFrame(by_name[(row.source, row.run)].metrics).assign(run=row.run)
+            pd.DataFrame(by_name[(row.source, row.run)].metrics).assign(run=row.run, cluster=row.cluster)
             for row in _in_cell(done, factors, cell).itertuples()
         ]
         curves = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -562,11 +572,10 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
         for ax, key in zip(axes, ("train/reward_mean", "val/accuracy"), strict=True):
             if key not in curves or curves[key].isna().all():
                 continue
-            per_point = curves.dropna(subset=[key]).groupby("point")
-            mean, sem, n = per_point[key].mean(), per_point[key].sem(), per_point[key].count()
-            x = per_point[ELAPSED].mean().to_numpy() if use_time else mean.index.to_numpy()
-            half = (sem * stats.t.ppf(0.975, np.maximum(n - 1, 1))).fillna(0).to_numpy()
-            ax.plot(x, mean.to_numpy(), marker=".", label=_label(factors, cell), color=color)
+            points, mean, half = curve_band(curves, key)
+            known = curves.dropna(subset=[key])
+            x = known.groupby("point")[ELAPSED].mean().loc[points].to_numpy() if use_time else np.array(points)
+            ax.plot(x, mean, marker=".", label=_label(factors, cell), color=color)
             ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=color)
     for ax, title in zip(
         axes, ("training reward (train/reward_mean)", "validation accuracy (val/accuracy)"), strict=True

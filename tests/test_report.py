@@ -16,6 +16,7 @@ from scipy import stats
 
 from analysis import report, verdicts
 from analysis.runs import load_wandb
+from foundation.stats import Estimate
 
 # The seed articles' Qwen2.5-Coder-3B results (validation accuracy, %) per (max prompt length, agent turns).
 SEED_RESULTS = {(2048, 1): 73.2, (2048, 3): 76.4, (4096, 1): 80.2, (4096, 3): 80.4}
@@ -789,3 +790,13 @@ def test_one_at_a_time_cells_find_their_declarations_in_each_factor_s_table(tmp_
         "",
         f"{holm['one_turn']:.3f} (primary)",
     ]
+
+
+def test_a_curves_band_is_taken_over_warm_starts_not_over_seeds_that_share_them() -> None:
+    """Two warm starts, two seeds each, seeds alike within a warm start: four values look like four independent
+    draws (a narrow band); the band is over the two warm starts' means (t with 1 degree of freedom: wide)."""
+    curves = pd.DataFrame({"point": [1] * 4, "cluster": ["a", "a", "b", "b"], "val/accuracy": [0.10, 0.11, 0.20, 0.21]})
+    points, mean, half = report.curve_band(curves, "val/accuracy")
+    pooled = Estimate.of(curves["val/accuracy"])
+    assert points == [1] and mean[0] == pytest.approx(0.155)
+    assert half[0] > 3 * (pooled.half or 0.0) > 0  # t(1) x sd of 0.105 and 0.205 / sqrt 2, not t(3) x sd of four
