@@ -536,14 +536,15 @@ def _unset(value: Any) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def curve_band(curves: pd.DataFrame, key: str) -> tuple[list[Any], np.ndarray, np.ndarray]:
-    """A cell's curve of `key` (its runs' logged values, a `point` and a `cluster` per row): the points, each point's
-    mean and its 95% half-width, taken as the verdicts take theirs: over warm starts where seeds share them
-    (`estimate_of`), else over the values."""
+def curve_band(curves: pd.DataFrame, key: str, by_time: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A cell's curve of `key` (its runs' logged values, a `point` and a `cluster` per row): each point's x (the point,
+    or with `by_time` its values' mean training seconds), mean and 95% half-width, taken as the verdicts take theirs:
+    over warm starts where seeds share them (`estimate_of`), else over the values."""
     known = curves.dropna(subset=[key])
     points = sorted(known.point.unique())
     bands = [estimate_of(known[known.point == p], key) for p in points]
-    return points, np.array([b.mean for b in bands]), np.array([b.half or 0.0 for b in bands])
+    x = known.groupby("point")[ELAPSED].mean().loc[points].to_numpy() if by_time else np.array(points)
+    return x, np.array([b.mean for b in bands]), np.array([b.half or 0.0 for b in bands])
 
 
 def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path: Path) -> None:
@@ -572,9 +573,7 @@ def curves_figure(runs: list[Run], table: pd.DataFrame, factors: list[str], path
         for ax, key in zip(axes, ("train/reward_mean", "val/accuracy"), strict=True):
             if key not in curves or curves[key].isna().all():
                 continue
-            points, mean, half = curve_band(curves, key)
-            known = curves.dropna(subset=[key])
-            x = known.groupby("point")[ELAPSED].mean().loc[points].to_numpy() if use_time else np.array(points)
+            x, mean, half = curve_band(curves, key, use_time)
             ax.plot(x, mean, marker=".", label=_label(factors, cell), color=color)
             ax.fill_between(x, mean - half, mean + half, alpha=0.2, color=color)
     for ax, title in zip(

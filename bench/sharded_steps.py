@@ -122,9 +122,18 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path, steps
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *launch[1:]]
 
 
+def run_dir_of(variant: str, out_dir: Path) -> Path:
+    return out_dir / variant.replace(":", "-")
+
+
+def summary_of(run_dir: Path) -> dict[str, Any]:
+    """The run's summary.json ({} where it wrote none)."""
+    return json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+
+
 def start_variant(variant: str, args: argparse.Namespace, out_dir: Path, steps: int) -> tuple[int, float]:
     """One start of the variant's run in its directory, trained up to `steps`: its exit code and wall seconds."""
-    run_dir = out_dir / variant.replace(":", "-")
+    run_dir = run_dir_of(variant, out_dir)
     env = os.environ | {"ARL_CACHE_DIR": str(out_dir / "cache"), "ARL_OUTPUT_DIR": str(out_dir)}
     if variant.partition(":")[0] == "fsdp2x1":
         env["ARL_RANK_OF"] = str(run_dir)  # foundation.ranks.RANK_OF: this process is a rank of the run
@@ -134,7 +143,7 @@ def start_variant(variant: str, args: argparse.Namespace, out_dir: Path, steps: 
 
 
 def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    run_dir = out_dir / variant.replace(":", "-")
+    run_dir = run_dir_of(variant, out_dir)
     shutil.rmtree(run_dir, ignore_errors=True)  # a run left there would refuse other settings, or be resumed
     one_rank = variant.partition(":")[0] == "fsdp2x1"  # a rank of its own: it writes ranks/results.json
     returncode, wall_s = start_variant(variant, args, out_dir, args.steps)
@@ -144,13 +153,14 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[s
 
 def resume_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
     """The variant's finished run started again with `--resume-steps` more steps: it resumes from its checkpoint."""
-    run_dir = out_dir / variant.replace(":", "-")
+    run_dir = run_dir_of(variant, out_dir)
     returncode, wall_s = start_variant(variant, args, out_dir, args.steps + args.resume_steps)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    summary = summary_of(run_dir)
     metrics = run_dir / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     trained = [m for m in steps if "timing_s/step" in m and m.get("step", 0) > args.steps]
     return {
+        "command": " ".join([sys.executable, *sys.argv]),  # this call's (`--resume-only`: not the first start's)
         "returncode": returncode,
         "status": summary.get("status"),
         "error": None if returncode == 0 else str(summary.get("error"))[-2000:],
@@ -164,15 +174,15 @@ def resume_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> dic
 def disk(run_dir: Path) -> dict[str, Any]:
     """The run's disk plan (summary.json) and what each of its checkpoints and its final model take on disk, a file
     hard-linked into several of them counted in the first only; and the disk's free bytes now."""
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    summary = summary_of(run_dir)
     seen: set[int] = set()
     used: dict[str, int] = {}
     checkpoints = run_dir / "checkpoints"
     for entry in sorted(checkpoints.iterdir()) if checkpoints.is_dir() else []:
-        files = [f for f in entry.rglob("*") if f.is_file()]
-        fresh = [f.stat() for f in files if f.stat().st_ino not in seen]
-        seen.update(st.st_ino for st in fresh)
-        used[entry.name] = sum(st.st_size for st in fresh)
+        stats = [f.stat() for f in entry.rglob("*") if f.is_file()]
+        fresh = {st.st_ino: st.st_size for st in stats if st.st_ino not in seen}
+        seen.update(fresh)
+        used[entry.name] = sum(fresh.values())
     return {
         "plan": summary.get("disk_plan"),
         "final_model": summary.get("final_model"),
@@ -192,7 +202,7 @@ def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: 
     failed = returncode != 0 or not results_file.is_file()
     out: dict[str, Any] = {"variant": variant}
     if failed:
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        summary = summary_of(run_dir)
         out["failed"] = f"exit {returncode}: {str(summary.get('error'))[-2000:]}"
         if not steps:
             return out
@@ -289,15 +299,20 @@ def main() -> None:
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def resume(row: dict[str, Any]) -> None:  # the second start of a finished row, kept as soon as it ends
+        row["resume"] = resume_variant(row["variant"], args, args.work)
+        print(json.dumps(row["resume"]))
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1))
+
     if args.resume_only:  # the first starts ran in an earlier call: their rows are in --out, their runs in --work
         if not (args.resume_steps and args.out and args.out.is_file()):
             parser.error("--resume-only needs --resume-steps and the --out file the first starts wrote")
         report = json.loads(args.out.read_text())
         for row in report["rows"]:
             if "failed" not in row and row["variant"] in args.variants:
-                row["resume"] = resume_variant(row["variant"], args, args.work)
-                print(json.dumps(row["resume"]))
-                args.out.write_text(json.dumps(report, indent=1))
+                resume(row)
         return
     # written after every variant, so a bench stopped by its time limit keeps the variants it finished
     for variant in args.variants:
@@ -309,10 +324,7 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
         if args.resume_steps and "failed" not in row:
-            row["resume"] = resume_variant(variant, args, args.work)
-            print(json.dumps(row["resume"]))
-            if args.out:
-                args.out.write_text(json.dumps(report, indent=1))
+            resume(row)
 
 
 if __name__ == "__main__":

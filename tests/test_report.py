@@ -798,5 +798,5 @@ def test_a_curves_band_is_taken_over_warm_starts_not_over_seeds_that_share_them(
     curves = pd.DataFrame({"point": [1] * 4, "cluster": ["a", "a", "b", "b"], "val/accuracy": [0.10, 0.11, 0.20, 0.21]})
     points, mean, half = report.curve_band(curves, "val/accuracy")
     pooled = Estimate.of(curves["val/accuracy"])
-    assert points == [1] and mean[0] == pytest.approx(0.155)
+    assert list(points) == [1] and mean[0] == pytest.approx(0.155)
     assert half[0] > 3 * (pooled.half or 0.0) > 0  # t(1) x sd of 0.105 and 0.205 / sqrt 2, not t(3) x sd of four

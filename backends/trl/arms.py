@@ -61,9 +61,10 @@ def fills_a_step(ctx: RunContext) -> None:
         return
     pool = ctx.results.get("pool")
     whose = f"the pool kept {tasks} of {pool['tasks']} tasks" if pool else f"{tasks} training tasks"
-    fits = f"algorithm.tasks_per_step={max(tasks, 1)}"
-    if (max(tasks, 1) * algo.group_size) % algo.micro_batch_size:  # what the config check would refuse next
-        fits += f" algorithm.micro_batch_size={max(tasks, 1) * algo.group_size}"
+    most, batch = max(tasks, 1), max(tasks, 1) * algo.group_size
+    fits = f"algorithm.tasks_per_step={most}"
+    if batch % algo.micro_batch_size:  # what the config check would refuse next
+        fits += f" algorithm.micro_batch_size={batch}"
     raise RuntimeError(
         f"{whose}, fewer than a step's algorithm.tasks_per_step={algo.tasks_per_step}: no step can be filled, so "
         f"nothing would train. Set {fits} (or fewer tasks a step), or give it more tasks"
