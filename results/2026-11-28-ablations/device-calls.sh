@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The pilot of experiment=learn-pool-gpu-ablations on an nvidia-h200-x2 machine (2 x H200), warm start WS0 on GPU 0
-# and WS1 on GPU 1, three calls back to back on one warm machine (the warm starts and pools stay in /tmp/cache; a
-# fresh machine builds the warm starts again, and a rebuild is other weights):
-#   MODE=pools WS0=100 WS1=101: each warm start built once, and each cell's pool (the pool depends on the agent and
-#     the lengths: every cell samples its own) by a one-step run of each cell (in /tmp/prep, not returned)
-#   MODE=cells-a WS0=100 WS1=101: the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a GPU)
-#   MODE=cells-b WS0=100 WS1=101: the one-turn and short-context cells, likewise
-# Pilot warm starts are none of the study's (W = 100, 101, as the pool study's tuning stage). Then the plan again:
+# The pilot of experiment=learn-pool-gpu-ablations, warm start WSg on GPU g (as many of WS0-WS3 as are set: two on an
+# nvidia-h200-x2 machine, four on an nvidia-h200-x4, the same GPU, cores and memory a GPU), three calls back to back
+# on one warm machine (the warm starts and pools stay in /tmp/cache; a fresh machine builds the warm starts again, and
+# a rebuild is other weights):
+#   MODE=pools WS0=100 WS1=101 [WS2=102 WS3=103]: each warm start built once, and each cell's pool (the pool depends
+#     on the agent and the lengths: every cell samples its own) by a one-step run of each cell (in /tmp/prep, not
+#     returned)
+#   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a GPU)
+#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise
+# Pilot warm starts are none of the study's (W = 100-103, as the pool study's tuning stage). Then the plan again:
 #   python -m analysis.plan results/2026-11-28-ablations/pilot/runs --mde 5 --experiment learn-pool-gpu-ablations \
 #       --treatment agent.check_step=false --baseline agent.check_step=true --out results/2026-11-28-ablations/pilot
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
@@ -37,8 +39,11 @@ case $MODE in
 esac
 seeds() { [ $MODE = pools ] && echo "seed=$((2 * $1))" || echo "seed=$((2 * $1)),$((2 * $1 + 1))"; }
 for c in $cells; do
-  cell 0 $WS0 $c $root $extra $(seeds $WS0)
-  cell 1 $WS1 $c $root $extra $(seeds $WS1)
+  for g in 0 1 2 3; do
+    w=$(eval echo "\${WS$g:-}")
+    [ -z "$w" ] && continue
+    cell $g $w $c $root $extra $(seeds $w)
+  done
 done
 wait "${pids[@]}"
 device_call_end
