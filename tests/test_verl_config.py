@@ -117,8 +117,44 @@ def test_the_ray_worker_hook_imports_nothing_that_starts_cuda_and_hides_trl_from
         "print(importlib.util.find_spec('trl') is not None)\n"
         "from verl.utils.import_utils import is_trl_available\n"
         "print(is_trl_available())\n"
+        "import verl.utils.torch_functional as F\n"
+        "print(F.logprobs_from_logits_v2.__name__)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.split() == ["[]", "True", "False"], done.stderr
+    assert done.stdout.split() == ["[]", "True", "False", "rowwise_logprobs"], done.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_vectorized_log_probs_are_verls_own_values_and_gradients(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rowwise_logprobs` (the worker hook's replacement for verl's one-row-a-time loop, which verl's actor runs over
+    every token of a micro-batch without flash-attn) gives verl's log-probs and gradients, in chunks of rows."""
+    import importlib.machinery
+    import importlib.util
+
+    import torch
+    import verl.utils
+
+    from backends.verl import compat
+
+    # verl's own module as it ships, loaded past any patching finder
+    spec = importlib.machinery.PathFinder.find_spec("verl.utils.torch_functional", verl.utils.__path__)
+    assert spec is not None and spec.loader is not None
+    shipped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shipped)
+    vocab = 50
+    monkeypatch.setattr(compat, "CHUNK_ELEMENTS", 8 * vocab)  # 8 rows a chunk: 37 rows make five, the last short
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((37,), (3, 13)):  # verl's actor passes rows (tokens, vocab); other callers (batch, length, vocab)
+        logits = (4 * torch.randn(*shape, vocab, generator=generator)).to(getattr(torch, dtype))
+        labels = torch.randint(0, vocab, shape, generator=generator)
+        ours_in, verls_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        ours, verls = compat.rowwise_logprobs(ours_in, labels), shipped.logprobs_from_logits_v2(verls_in, labels)
+        weights = torch.randn(shape, generator=generator).to(ours.dtype)
+        (ours * weights).sum().backward()
+        (verls * weights).sum().backward()
+        assert ours.shape == verls.shape == labels.shape and ours.dtype == verls.dtype
+        assert torch.equal(ours, verls) and torch.equal(ours_in.grad, verls_in.grad)  # bit for bit, on CPU

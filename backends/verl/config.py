@@ -195,7 +195,7 @@ def verl_overrides(
         "actor_rollout_ref": {
             "model": {
                 "path": model.path,
-                # flash-attn's varlen kernels let verl drop the padding tokens; sdpa computes them
+                # flash-attn's varlen kernels pack the micro-batch; sdpa pads it to its longest sequence
                 "use_remove_padding": model.attn_implementation == "flash_attention_2",
                 "enable_gradient_checkpointing": backend.gradient_checkpointing,
                 "lora_rank": finetune.rank if lora else 0,
