@@ -191,12 +191,19 @@ def last_complete_checkpoint(folder: Path) -> str | None:
 # experiment is a bundle of values (its keys are compared instead), analysis says how runs are judged, the rest does
 # not change what is trained.
 NOT_FACTORS = {"seed", "experiment", "logger", "hydra", "paths", "analysis"}
+# the keys that name a warm start built before (its directory and digest): which one, as `warmstart.seed` says it
+WARM_START_NAMES = {"warmstart.path", "warmstart.weights_sha256"}
 
 
 def is_factor(key: str) -> bool:
     """False for what only draws another replicate: any seed (`seed`, `warmstart.seed`, `model.init_seed`: runs
-    that differ by them are pooled, and paired by seed and warm start) and the keys of NOT_FACTORS."""
-    return key.split(".")[0] not in NOT_FACTORS and not key.rsplit(".", 1)[-1].endswith("seed")
+    that differ by them are pooled, and paired by seed and warm start), the names of a warm start built before
+    (`warmstart.path`: every cell of an ablation loads its warm start's one build) and the keys of NOT_FACTORS."""
+    return (
+        key.split(".")[0] not in NOT_FACTORS
+        and key not in WARM_START_NAMES
+        and not key.rsplit(".", 1)[-1].endswith("seed")
+    )
 
 
 def override_key(override: str) -> str:

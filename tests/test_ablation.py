@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 from scipy import stats
 
+from analysis.report import factor_keys
+from analysis.runs import Run
 from jobs.config import build_components, check_study
 from tests.conftest import ROOT, launch
 from tests.test_config import CONF, options
@@ -176,3 +179,17 @@ def test_the_pool_world_s_ablations_declare_each_cell_against_the_baseline_cell(
     assert [(c.name, cells_matching(c.treatment), cells_matching(c.baseline)) for c in study.comparisons] == [
         (name, [name], ["baseline"]) for name in ("no_check_step", "one_turn", "short_context")
     ]
+
+
+def test_the_warm_start_a_cell_loads_is_not_one_of_its_factors() -> None:
+    """Every cell of warm start W loads W's one build (`warmstart.path` and its digest, as the ablations' device script
+    passes them): those name the replicate, as `warmstart.seed` does, so the cells' factor is the one they vary."""
+
+    def cell(w: int, seed: int, *factor: str) -> Run:
+        built = [f"warmstart.path=/tmp/cache/warmstarts/sft-{w}", f"warmstart.weights_sha256={w:064x}"]
+        overrides = [f"warmstart.seed={w}", f"model.init_seed={w}", *built, *factor, f"seed={seed}"]
+        config = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+        return Run(source="x", name=f"{w}-{seed}-{factor}", status="completed", overrides=overrides, config=config)
+
+    runs = [cell(w, s, *f) for w in (100, 101) for s in (2 * w, 2 * w + 1) for f in ([], ["agent.check_step=false"])]
+    assert factor_keys(runs) == ["agent.check_step"]
