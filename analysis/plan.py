@@ -40,9 +40,17 @@ def paired_differences(table: pd.DataFrame, declared: Declared, metric: str) -> 
     """The pilot's treatment - baseline differences, one per seed and warm start (as the report pairs them), and each
     one's cluster (a pair without one is its own)."""
     done = table[table.status == COMPLETED]
-    found = pairs_of(matching(done, declared.baseline), matching(done, declared.treatment), metric)
+    sides = {"baseline": matching(done, declared.baseline), "treatment": matching(done, declared.treatment)}
+    found = pairs_of(sides["baseline"], sides["treatment"], metric)
     if found is None:
-        raise ValueError(f"the pilot's runs of {declared.name} do not pair by seed and warm start")
+        twice = [name for name, runs in sides.items() if not runs[runs[metric].notna()].pair.is_unique]
+        why = (
+            f"its {' and '.join(twice)} side holds more than one run of a seed and warm start (it matches more than "
+            "one cell: name the side's value of every factor)"
+            if twice
+            else "fewer than 2 seeds and warm starts have runs on both sides (do the sides start from one warm start?)"
+        )
+        raise ValueError(f"the pilot's runs of {declared.name} do not pair by seed and warm start: {why}")
     clusters = [c if c is not None else f"pair {i}" for i, c in enumerate(found.clusters)]
     return list(found.differences), clusters
 

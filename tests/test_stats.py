@@ -145,3 +145,21 @@ def test_a_given_comparison_stands_in_for_each_of_a_preset_s_family(tmp_path: Pa
     text = plan_cli.main([str(tmp_path / "pilot"), *args, "--baseline", "algorithm=grpo"])
     assert "0.05 / 3 comparisons = 0.0167" in text and "stands in for each of them" in text
     assert "## given\n\nPilot: 6 pairs in 3 clusters" in text
+
+
+def test_a_side_that_matches_more_than_one_cell_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--baseline agent.check_step=true` over an ablation pilot matches the baseline, one-turn and short cells: the
+    plan says the side holds more than one run of a seed and warm start, not only that runs do not pair."""
+    num = 0
+    cells = (["agent.check_step=true"], ["agent.check_step=false"], ["agent.check_step=true", "agent.max_turns=1"])
+    for warm in range(3):
+        for i in range(2):
+            for cell in cells:
+                write_arm(tmp_path / "pilot" / str(num), "grpo", 2 * warm + i, 0.3, warm_seed=warm, extra=cell)
+                num += 1
+    args = ["--mde", "5", "--treatment", "agent.check_step=false", "--baseline", "agent.check_step=true"]
+    with pytest.raises(SystemExit):
+        plan_cli.main([str(tmp_path / "pilot"), *args])
+    assert "its baseline side holds more than one run of a seed and warm start" in capsys.readouterr().err
