@@ -864,7 +864,10 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
     out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
-    runs = load(args.sources)
+    try:
+        runs = load(args.sources)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
     if not runs:
         parser.error(f"no runs found under {' '.join(args.sources)}")
     try:

@@ -26,12 +26,17 @@ from hydra.types import RunMode
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
+from foundation.errors import ConfigError
 from foundation.interrupt import stop_signals
 from foundation.ranks import STACKS_SIGNAL, is_main, started_by_launcher
 from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
 from jobs.config import build_group, check_job, check_run
+from jobs.doctor import PreflightFailed
 from jobs.ranks import write_rank_results
 from jobs.sweep import completed_run
+
+# failures whose message says what to change (a config key, the doctor's table): a run stops with one line, no traceback
+STOPS_WITHOUT_TRACEBACK = (ConfigError, PreflightFailed)
 
 Job = Callable[[DictConfig, RunDir], dict[str, Any]]
 
@@ -159,6 +164,10 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         print(f"run directory: {run.path}\nstatus: {failed['status']}: {type(exc).__name__}: {exc}", flush=True)
         if interrupted:
             print(f"resume: {failed['resume']}", flush=True)
+        if isinstance(exc, STOPS_WITHOUT_TRACEBACK) and hydra.mode == RunMode.RUN:
+            # its message says what to change; the traceback is in summary.json (a sweep's runs: Hydra records it)
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         raise
     summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
     summary["tracking_errors"] = run.tracking_errors

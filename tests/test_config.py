@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import types
 import typing
@@ -151,11 +152,14 @@ def test_a_mistyped_key_fails_at_composition() -> None:
 
 @pytest.mark.integration
 def test_launch_fails_fast_on_a_bad_value_and_records_it(tmp_path: Path) -> None:
+    """One line on stderr naming the key, exit 1; the traceback goes to summary.json, not the terminal."""
     result = launch(["finetune=lora", "finetune.rank=0"], tmp_path / "cache", tmp_path / "out")
-    assert result.returncode != 0
-    assert "finetune.rank must be > 0" in result.stderr + result.stdout
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == "ConfigError: finetune.rank must be > 0, got 0"
+    assert "Traceback" not in result.stderr + result.stdout
     summaries = list((tmp_path / "out").rglob("summary.json"))
-    assert len(summaries) == 1 and '"status": "failed"' in summaries[0].read_text()
+    summary = json.loads(summaries[0].read_text())
+    assert len(summaries) == 1 and summary["status"] == "failed" and "Traceback" in summary["traceback"]
     assert not (tmp_path / "cache" / "models").exists()  # nothing was built or loaded
 
 

@@ -800,3 +800,9 @@ def test_a_curves_band_is_taken_over_warm_starts_not_over_seeds_that_share_them(
     pooled = Estimate.of(curves["val/accuracy"])
     assert list(points) == [1] and mean[0] == pytest.approx(0.155)
     assert half[0] > 3 * (pooled.half or 0.0) > 0  # t(1) x sd of 0.105 and 0.205 / sqrt 2, not t(3) x sd of four
+
+
+def test_a_folder_that_is_not_there_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        report.main([str(tmp_path / "nowhere")])
+    assert stopped.value.code == 2 and f"{tmp_path / 'nowhere'}: not a directory" in capsys.readouterr().err
