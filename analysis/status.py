@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,19 +88,23 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def sweep_status(sweep_dir: Path, tail: int = 5) -> list[RunStatus]:
-    """The status of every run of the sweep (those with a run directory and those submitted to SLURM); of every run
-    in a folder of single runs; or of one run directory."""
+    """The status of every run of the sweep (those with a run directory and those submitted to SLURM) and of every
+    named run directory beside them (a folder of single runs, `outputs/runs`); of one run directory; or, in a folder
+    that holds neither, of every run of the sweeps under it, each named `<sweep>/<n>`."""
     if _is_run_dir(sweep_dir):
         return [run_status(sweep_dir.name, sweep_dir, None, None, tail)]
     jobs = submitted_jobs(sweep_dir)
-    if not jobs and not any(p.is_dir() and p.name.isdigit() for p in sweep_dir.iterdir()):  # outputs/runs
-        return [run_status(p.name, p, None, None, tail) for p in sorted(sweep_dir.iterdir()) if _is_run_dir(p)]
-    nums = set(jobs) | {int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()}
-    states = slurm_states([job["job_id"] for job in jobs.values()])
-    return [
+    children = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    nums = set(jobs) | {int(p.name) for p in children if p.name.isdigit()}
+    states = slurm_states([job["job_id"] for job in jobs.values()]) if jobs else {}
+    found = [
         run_status(n, sweep_dir / str(n), jobs.get(n), states.get(jobs[n]["job_id"]) if n in jobs else None, tail)
         for n in sorted(nums)
     ]
+    found += [run_status(p.name, p, None, None, tail) for p in children if not p.name.isdigit() and _is_run_dir(p)]
+    if found:
+        return found
+    return [replace(r, num=f"{p.name}/{r.num}") for p in children for r in sweep_status(p, tail)]
 
 
 def format_status(sweep_dir: Path, runs: list[RunStatus]) -> str:
@@ -121,6 +125,8 @@ def run(cfg: DictConfig, run_dir: RunDir) -> dict[str, Any]:
     if not sweep_dir.is_dir():
         raise ConfigError(f"job.sweep_dir={sweep_dir}: no such sweep directory")
     runs = sweep_status(sweep_dir, cfg.job.tail)
+    if not runs:
+        raise ConfigError(f"job.sweep_dir={sweep_dir}: no run directory or submitted run under it")
     print(format_status(sweep_dir, runs), flush=True)
     return {"sweep_dir": str(sweep_dir), "runs": dict(Counter(r.status for r in runs))}
 
@@ -135,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.sweep_dir}: no such sweep directory", file=sys.stderr)
         return 2
     runs = sweep_status(args.sweep_dir, args.tail)
+    if not runs:
+        print(f"{args.sweep_dir}: no run directory or submitted run under it", file=sys.stderr)
+        return 1
     if args.json:
         print("\n".join(json.dumps(asdict(r)) for r in runs))
     else:

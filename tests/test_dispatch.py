@@ -268,3 +268,24 @@ def test_ray_cluster_runs_on_the_first_node_only(
 def test_one_node_needs_no_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     assert ray_cluster.start_ray_cluster() == "local"
+
+
+def test_status_lists_named_runs_beside_a_sweep_and_the_runs_of_a_folder_of_sweeps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No run is dropped without a word: named run directories beside a sweep's numbered ones are listed, a folder of
+    sweeps lists each sweep's runs, and a folder with none says so and exits 1."""
+    local_sweep(tmp_path / "mixed")
+    (tmp_path / "mixed" / "tuned").mkdir()
+    (tmp_path / "mixed" / "tuned" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": []}))
+    assert status_main([str(tmp_path / "mixed"), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["num"] for r in rows] == [0, 1, 2, "tuned"]
+    local_sweep(tmp_path / "study" / "ws0-grpo")
+    local_sweep(tmp_path / "study" / "ws1-grpo")
+    assert status_main([str(tmp_path / "study"), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["num"] for r in rows] == [f"ws{w}-grpo/{n}" for w in (0, 1) for n in (0, 1, 2)]
+    (tmp_path / "empty" / "figures").mkdir(parents=True)
+    assert status_main([str(tmp_path / "empty")]) == 1
+    assert "no run directory or submitted run under it" in capsys.readouterr().err
