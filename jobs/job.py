@@ -106,6 +106,14 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
+def stop_without_traceback(exc: Exception, hydra: DictConfig) -> None:
+    """A single run ends here with `exc`'s one line (exit 1): its message says what to change. A sweep's run returns
+    and is raised as any failure (Hydra records it; the other runs go on)."""
+    if hydra.mode == RunMode.RUN:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
     hydra = HydraConfig.get()  # one output directory per run, also in a sweep
@@ -124,7 +132,11 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         print(f"run directory: {run.path}\nstatus: completed before with the same overrides, not run again", flush=True)
         return previous
     # the same run only (resumed, requeued): else stop here, before an attempt is counted or anything is written
-    run.check_same_run(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    try:
+        run.check_same_run(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+    except ConfigError as exc:  # nothing written: the directory holds the other run
+        stop_without_traceback(exc, hydra)
+        raise
     commit = git_commit()
     attempt = {
         "started": datetime.now().isoformat(timespec="seconds"),
@@ -164,10 +176,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         print(f"run directory: {run.path}\nstatus: {failed['status']}: {type(exc).__name__}: {exc}", flush=True)
         if interrupted:
             print(f"resume: {failed['resume']}", flush=True)
-        if isinstance(exc, STOPS_WITHOUT_TRACEBACK) and hydra.mode == RunMode.RUN:
-            # its message says what to change; the traceback is in summary.json (a sweep's runs: Hydra records it)
-            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+        if isinstance(exc, STOPS_WITHOUT_TRACEBACK):  # its traceback is in summary.json
+            stop_without_traceback(exc, hydra)
         raise
     summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
     summary["tracking_errors"] = run.tracking_errors
