@@ -99,7 +99,8 @@ def test_an_unreachable_wandb_server_does_not_fail_the_run(tmp_path: Path) -> No
     key = "sentinel-wandb-key-000000000000000000000000000000"
     env = {"WANDB_API_KEY": key, "WANDB_BASE_URL": f"http://127.0.0.1:{closed_port()}"}
     run_dir = tmp_path / "run"
-    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "0").mkdir(parents=True)  # a sweep of one finished run: job=status has a table to print
+    (tmp_path / "sweep" / "0" / "summary.json").write_text(json.dumps({"status": "completed", "overrides": []}))
     args = ["job=status", f"job.sweep_dir={tmp_path / 'sweep'}", "logger=wandb", "logger.mode=online"]
     args += ["logger.init_timeout_s=5", f"hydra.run.dir={run_dir}"]
     result = launch(args, tmp_path / "cache", tmp_path, env=env)
