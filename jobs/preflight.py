@@ -90,10 +90,6 @@ class Probe:
     network: bool = False  # run at once with the others, bounded by the deadline
 
 
-class PreflightFailed(RuntimeError):
-    """At least one check failed; the message holds one line per failure."""
-
-
 def offline() -> bool:
     """HF_HUB_OFFLINE as models/hub.py reads it (weights are then loaded from the cache or model.path only)."""
     return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")

@@ -30,8 +30,9 @@ def rowwise_logprobs(logits: Any, labels: Any) -> Any:
     """verl's `logprobs_from_logits_v2` (the log-probs of `labels` under `logits` without flash-attn: the GPU image
     has none) computed as it computes them, log_softmax in the logits' dtype (logsumexp for fp32 and fp64), but over
     chunks of rows instead of one Python iteration a row: verl's actor gives it every token of a micro-batch as one
-    row (prompts included), so its loop launched a few kernels and autograd nodes per token, about 140 us a token
-    through forward and backward on an H200, the most of backend=verl's update."""
+    row (prompts included), so its loop launched a few kernels and autograd nodes per token: about 140 us a token
+    through forward and backward on an H200 (a micro-benchmark of that function), most of backend=verl's update by
+    that estimate (not profiled end to end)."""
     import torch
     import torch.nn.functional as F
 
