@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The pilot of experiment=learn-pool-gpu-ablations, warm start WSg on GPU g (as many of WS0-WS3 as are set: two on an
-# nvidia-h200-x2 machine, four on an nvidia-h200-x4, the same GPU, cores and memory a GPU), three calls back to back
+# nvidia-h200-x2 machine, four on an nvidia-h200-x4, the same GPU, cores and memory a GPU; with fewer GPUs than warm
+# starts, WSg goes on GPU g mod their number, e.g. WS0 and WS1 both on one nvidia-h200's), three calls back to back
 # on one warm machine (the warm starts and pools stay in /tmp/cache; a fresh machine builds the warm starts again, and
 # a rebuild is other weights):
 #   MODE=pools WS0=100 WS1=101 [WS2=102 WS3=103]: each warm start built once, by a one-step run of the baseline cell,
@@ -54,6 +55,7 @@ case $MODE in
   cells-b) cells="oneturn short" ;;
   *) echo "unknown MODE=$MODE"; exit 2 ;;
 esac
+ngpu=$(nvidia-smi -L | wc -l)  # one GPU: every warm start on it (an 11M model: the cores, not the GPU, bind)
 pids=()
 for g in 0 1 2 3; do
   w=$(eval echo "\${WS$g:-}")
@@ -63,11 +65,11 @@ for g in 0 1 2 3; do
     continue
   fi
   if [ $MODE = pools ]; then
-    prep $g $w &
+    prep $((g % ngpu)) $w &
     pids+=($!)
   else
     for c in $cells; do
-      cell $g $w $c /tmp/out $(cat /tmp/cache/ws$w.args) seed=$((2 * w)),$((2 * w + 1)) &
+      cell $((g % ngpu)) $w $c /tmp/out $(cat /tmp/cache/ws$w.args) seed=$((2 * w)),$((2 * w + 1)) &
       pids+=($!)
     done
   fi
