@@ -12,7 +12,8 @@ alpha divided by its size (Holm's first step, the strictest one). `--mde` is in 
 for accuracies. The spread is read from the pilot's validation scores by default (`--metric`), so that planning is no
 look at the test split. The between-cluster variance of a pilot of few clusters is itself uncertain (3 clusters: 2
 degrees of freedom); the plan prints it as an upper bound too (its one-sided 80% bound from the chi-square), and
-the clusters that bound would need. The plan is written beside the pilot (`plan.md`) to be committed before the study.
+the clusters that bound would need. A comparison with fewer than 2 completed pairs in the pilot (its runs interrupted,
+say) is named with its runs' statuses and not planned; the others still are. The plan is written beside the pilot (`plan.md`) to be committed before the study.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ SEEDS = (1, 2, 3, 4)  # seeds per warm start the plan considers
 UPPER = 0.8  # the confidence of the between-cluster variance's upper bound the cautious column plans on
 
 
+class TooFewPairs(ValueError):
+    """The pilot holds fewer than 2 completed pairs of a comparison: that one is not planned, the others are."""
+
+
 def paired_differences(table: pd.DataFrame, declared: Declared, metric: str) -> tuple[list[float], list[str]]:
     """The pilot's treatment - baseline differences, one per seed and warm start (as the report pairs them), and each
     one's cluster (a pair without one is its own)."""
@@ -44,13 +49,21 @@ def paired_differences(table: pd.DataFrame, declared: Declared, metric: str) -> 
     found = pairs_of(sides["baseline"], sides["treatment"], metric)
     if found is None:
         twice = [name for name, runs in sides.items() if not runs[runs[metric].notna()].pair.is_unique]
-        why = (
-            f"its {' and '.join(twice)} side holds more than one run of a seed and warm start (it matches more than "
-            "one cell: name the side's value of every factor)"
-            if twice
-            else "fewer than 2 seeds and warm starts have runs on both sides (do the sides start from one warm start?)"
+        if twice:
+            raise ValueError(
+                f"the pilot's runs of {declared.name} do not pair by seed and warm start: its {' and '.join(twice)} "
+                "side holds more than one run of a seed and warm start (it matches more than one cell: name the "
+                "side's value of every factor)"
+            )
+        statuses = {
+            name: ", ".join(f"{n} {status}" for status, n in matching(table, side).status.value_counts().items())
+            for name, side in (("baseline", declared.baseline), ("treatment", declared.treatment))
+        }
+        raise TooFewPairs(
+            f"fewer than 2 seeds and warm starts have completed runs with {metric} on both sides (do the sides start "
+            f"from one warm start? the pilot's baseline runs: {statuses['baseline'] or 'none'}; treatment runs: "
+            f"{statuses['treatment'] or 'none'})"
         )
-        raise ValueError(f"the pilot's runs of {declared.name} do not pair by seed and warm start: {why}")
     clusters = [c if c is not None else f"pair {i}" for i, c in enumerate(found.clusters)]
     return list(found.differences), clusters
 
@@ -136,12 +149,19 @@ def main(argv: list[str] | None = None) -> str:
         "(two-sided, at the cluster level).",
         "",
     ]
+    unplanned = []
     for declared in comparisons:
         try:
             components = variance_components(*paired_differences(table, declared, metric))
+        except TooFewPairs as exc:
+            lines += [f"## {declared.name}", "", f"Not planned from this pilot: {exc}.", ""]
+            unplanned.append(f"{declared.name}: {exc}")
+            continue
         except ValueError as exc:
             parser.error(f"{declared.name}: {exc} in the pilot")
         lines += plan_lines(declared.name, components, args.mde / scale, alpha, args.power, scale)
+    if len(unplanned) == len(comparisons):
+        parser.error("no comparison has 2 completed pairs in the pilot; " + "; ".join(unplanned))
     text = "\n".join(lines)
     print(text)
     if args.out:

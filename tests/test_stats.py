@@ -4,6 +4,7 @@ test and its heterogeneity, variance components and the plan built on them, the 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +146,54 @@ def test_a_given_comparison_stands_in_for_each_of_a_preset_s_family(tmp_path: Pa
     text = plan_cli.main([str(tmp_path / "pilot"), *args, "--baseline", "algorithm=grpo"])
     assert "0.05 / 3 comparisons = 0.0167" in text and "stands in for each of them" in text
     assert "## given\n\nPilot: 6 pairs in 3 clusters" in text
+
+
+ABLATION_CELLS = {  # experiment=learn-pool-gpu-ablations' four cells, each with its value of every factor
+    "baseline": ("true", 3, 512),
+    "nocheck": ("false", 3, 512),
+    "oneturn": ("true", 1, 512),
+    "short": ("true", 3, 256),
+}
+
+
+def write_ablation_pilot(root: Path, interrupted: set[str]) -> None:
+    """Three warm starts x 2 seeds of each cell; the runs of the cells in `interrupted` stopped before the end (as a
+    cell that needs more than a call's time does)."""
+    num = 0
+    for warm in range(3):
+        for i in range(2):
+            for cell, (check, turns, length) in ABLATION_CELLS.items():
+                extra = [f"agent.check_step={check}", f"agent.max_turns={turns}"]
+                extra += [f"algorithm.max_response_length={length}"]
+                gain = 0.01 * warm + 0.02 * i * (cell != "baseline")
+                write_arm(root / str(num), "grpo", 2 * warm + i, 0.3 + gain, warm_seed=warm, extra=extra)
+                if cell in interrupted:
+                    summary = json.loads((root / str(num) / "summary.json").read_text())
+                    (root / str(num) / "summary.json").write_text(json.dumps(summary | {"status": "interrupted"}))
+                num += 1
+
+
+def test_a_comparison_the_pilot_cannot_pair_is_named_and_the_others_are_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pilot's no-check-step runs were all interrupted: the plan says that comparison is not planned and why
+    (each side's runs by status), and plans the two others at the family's alpha / 3; a pilot where no comparison
+    pairs is an error."""
+    write_ablation_pilot(tmp_path / "pilot", interrupted={"nocheck"})
+    text = plan_cli.main([str(tmp_path / "pilot"), "--mde", "5", "--experiment", "learn-pool-gpu-ablations"])
+    assert "0.05 / 3 comparisons = 0.0167" in text
+    assert (
+        "## no_check_step\n\nNot planned from this pilot: fewer than 2 seeds and warm starts have completed runs "
+        "with val_final on both sides (do the sides start from one warm start? the pilot's baseline runs: 6 completed; "
+        "treatment runs: 6 interrupted)."
+    ) in text
+    for name in ("one_turn", "short_context"):
+        assert f"## {name}\n\nPilot: 6 pairs in 3 clusters" in text
+
+    write_ablation_pilot(tmp_path / "none", interrupted={"nocheck", "oneturn", "short"})
+    with pytest.raises(SystemExit):
+        plan_cli.main([str(tmp_path / "none"), "--mde", "5", "--experiment", "learn-pool-gpu-ablations"])
+    assert "no comparison has 2 completed pairs in the pilot" in capsys.readouterr().err
 
 
 def test_a_side_that_matches_more_than_one_cell_is_named_as_such(
