@@ -13,7 +13,8 @@ for accuracies. The spread is read from the pilot's validation scores by default
 look at the test split. The between-cluster variance of a pilot of few clusters is itself uncertain (3 clusters: 2
 degrees of freedom); the plan prints it as an upper bound too (its one-sided 80% bound from the chi-square), and
 the clusters that bound would need. A comparison with fewer than 2 completed pairs in the pilot (its runs interrupted,
-say) is named with its runs' statuses and not planned; the others still are. The plan is written beside the pilot (`plan.md`) to be committed before the study.
+say) is named with its runs' statuses and not planned; the others still are. The plan is written beside the pilot
+(`plan.md`) to be committed before the study.
 """
 
 from __future__ import annotations
