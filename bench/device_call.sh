@@ -4,8 +4,9 @@
 # begin: the carried wheels installed (.vc/trl: python bench/gpu_wheels.py --stack trl .vc/trl), the environment
 #   (caches and runs under /tmp, NVLink multicast off), the machine's versions and commit in $OUT/env-$MODE.txt, and
 #   its load every 20 s in $OUT/load-$MODE.txt (how many runs a GPU can take is measured, not guessed);
-# end: the sampler stopped, this call's GPU processes ended, the warm-start cache listed, and what comes back packed
-#   in two archives (the device tool returns at most 8 files): the runs without weights, and the sweeps' logs.
+# end: the sampler stopped, this call's GPU processes ended (stopped runs given time to save), the warm-start cache
+#   listed, and what comes back packed in two archives (the device tool returns at most 8 files): the runs without
+#   weights, and the sweeps' logs.
 device_call_begin() {
   mkdir -p /tmp/proj && bash .vc/trl/install.sh /tmp/proj > /dev/null || exit 1
   export PYTHONPATH=/tmp/proj:$PWD PYTHONUNBUFFERED=1 ARL_CACHE_DIR=/tmp/cache ARL_OUTPUT_DIR=/tmp/out
@@ -21,6 +22,9 @@ device_call_begin() {
 device_call_end() {
   kill $DEVICE_CALL_SAMPLER
   echo "exit after $(( $(date +%s) - DEVICE_CALL_START )) s" >> $OUT/env-$MODE.txt
+  # a run stopped by its sweep's timeout saves a checkpoint after its step, in a worker its launcher may not wait for:
+  # up to 90 s for the GPU's processes to end by themselves, then what is left is ended (a second SIGTERM: no save)
+  for _ in $(seq 90); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break; sleep 1; done
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill $pid 2>/dev/null; done
   ls -la /tmp/cache/warmstarts /tmp/cache/warmstarts/pools >> $OUT/env-$MODE.txt 2>&1
   cat /tmp/cache/warmstarts/pools/*.json 2>/dev/null | grep -v '^  "' | head -40 >> $OUT/env-$MODE.txt

@@ -8,7 +8,9 @@
 #     and each cell's pool (the pool depends on the agent and the lengths: every cell samples its own) by a one-step
 #     run of the other cells from that warm start (in /tmp/prep, not returned)
 #   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a GPU)
-#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise
+#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps
+#     again: at equal FLOPs that cell takes ~2x the steps (the pilot: ~415), more than a call's limit beside the
+#     baseline, so its runs stop at LIMIT with a checkpoint and resume here (completed runs are skipped)
 # Every cell of warm start W loads the baseline's build (warmstart.path and its digest, /tmp/cache/ws<W>.args): the
 # warm start's own key holds the agent's demonstrations and the lengths, so each cell would otherwise build, and
 # start from, its own. The pilot scores no test split (algorithm.test_at_end=false): the study looks at it once.
@@ -52,7 +54,7 @@ prep() {  # prep GPU W: W's warm start built once, then the other cells' pools f
 case $MODE in
   pools) ;;
   cells-a) cells="baseline nocheck" ;;
-  cells-b) cells="oneturn short" ;;
+  cells-b) cells="oneturn short nocheck" ;;
   *) echo "unknown MODE=$MODE"; exit 2 ;;
 esac
 ngpu=$(nvidia-smi -L | wc -l)  # one GPU: every warm start on it (an 11M model: the cores, not the GPU, bind)
