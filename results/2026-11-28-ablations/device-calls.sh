@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# The pilot of experiment=learn-pool-gpu-ablations, warm start WSg on GPU g (as many of WS0-WS3 as are set: two on an
+# experiment=learn-pool-gpu-ablations on the GPU, warm start WSg on GPU g (as many of WS0-WS3 as are set: two on an
 # nvidia-h200-x2 machine, four on an nvidia-h200-x4, the same GPU, cores and memory a GPU; with fewer GPUs than warm
 # starts, WSg goes on GPU g mod their number, e.g. WS0 and WS1 both on one nvidia-h200's), three calls back to back
 # on one warm machine (the warm starts and pools stay in /tmp/cache; a fresh machine builds the warm starts again, and
-# a rebuild is other weights):
-#   MODE=pools WS0=100 WS1=101 [WS2=102 WS3=103]: each warm start built once, by a one-step run of the baseline cell,
-#     and each cell's pool (the pool depends on the agent and the lengths: every cell samples its own) by a one-step
-#     run of the other cells from that warm start (in /tmp/prep, not returned)
-#   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a GPU)
+# a rebuild is other weights: every cell of a warm start runs on the machine that built it):
+#   MODE=pools WS0=W [WS1=.. WS3=..]: each warm start built once, by a one-step run of the baseline cell, and each
+#     cell's pool (the pool depends on the agent and the lengths: every cell samples its own) by a one-step run of the
+#     other cells from that warm start (in /tmp/prep, not returned, no test split scored)
+#   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a warm start)
 #   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps
 #     again: at equal FLOPs that cell takes ~2x the steps (the pilot: ~415), more than a call's limit beside the
-#     baseline, so its runs stop at LIMIT with a checkpoint and resume here (completed runs are skipped)
+#     baseline, so its runs stop at LIMIT (seconds a sweep may run; LIMIT=565 in the pilot) with a checkpoint and
+#     resume here (completed runs are skipped)
 # Every cell of warm start W loads the baseline's build (warmstart.path and its digest, /tmp/cache/ws<W>.args): the
 # warm start's own key holds the agent's demonstrations and the lengths, so each cell would otherwise build, and
-# start from, its own. The pilot scores no test split (algorithm.test_at_end=false): the study looks at it once.
-# Pilot warm starts are none of the study's (W = 100-103, as the pool study's tuning stage). Then the plan of all
-# three declared comparisons (each side one cell):
+# start from, its own.
+# STAGE=pilot (the default): warm starts 100-103 (none of the study's, as the pool study's tuning stage), no test
+#   split scored (algorithm.test_at_end=false); then the plan of the three declared comparisons:
 #   python -m analysis.plan results/2026-11-28-ablations/pilot/runs --mde 5 --experiment learn-pool-gpu-ablations \
 #       --out results/2026-11-28-ablations/pilot
+# STAGE=study: the study's warm starts (README.md: W = 0-9), each run scoring the test split once at its end; the
+#   report that reads those scores is the study's one look (its ledger records it).
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
 set -u
 source bench/device_call.sh
 device_call_begin
 
-P="experiment=learn-pool-gpu-ablations algorithm.test_at_end=false"
+P="experiment=learn-pool-gpu-ablations"
+case ${STAGE:-pilot} in
+  pilot) P="$P algorithm.test_at_end=false" ;;
+  study) ;;
+  *) echo "unknown STAGE=$STAGE"; exit 2 ;;
+esac
 declare -A CELL=(
   [baseline]=""
   [nocheck]="agent.check_step=false"
@@ -46,6 +54,7 @@ print(f\"warmstart.path={sft['checkpoint']} warmstart.weights_sha256={sft['weigh
 prep() {  # prep GPU W: W's warm start built once, then the other cells' pools from it, side by side
   local gpu=$1 w=$2 c
   local once="algorithm.flops_budget=null algorithm.max_steps=1 algorithm.val_points=null seed=$((2 * w))"
+  once="$once algorithm.test_at_end=false"
   cell $gpu $w baseline /tmp/prep $once
   built $w > /tmp/cache/ws$w.args || { echo "no warm start built for W=$w" >> $OUT/ws$w-baseline.log; return 1; }
   for c in nocheck oneturn short; do cell $gpu $w $c /tmp/prep $once $(cat /tmp/cache/ws$w.args) & done
