@@ -203,24 +203,51 @@ def test_a_slurm_sweep_survives_a_failure_a_requeue_and_a_preemption(slurm_sweep
     assert statuses(sweep_dir) == {0: "completed", 1: "completed", 2: "failed", 3: "completed"}
 
 
-@pytest.mark.integration
-def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, Any]) -> None:
-    sweep_dir = slurm_sweep["sweep_dir"]
-    before = submitted_jobs(sweep_dir)
-    again = subprocess.run(
-        [sys.executable, "launch.py", *slurm_sweep["args"], "hydra.launcher.wait=false"],
-        cwd=ROOT,
-        env=slurm_sweep["env"],
+@contextlib.contextmanager
+def cluster_full() -> Iterator[str]:
+    """A job that holds the whole node (another user's, say) while the block runs: what is submitted meanwhile
+    stays queued until the block ends and cancels it. Yields its job id once it runs."""
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "--exclusive", "--time=30", "--output=/dev/null", "--wrap", "sleep 900"],
         capture_output=True,
         text=True,
-        timeout=120,
-    )
-    log = again.stdout + again.stderr
-    assert again.returncode == 0, log[-3000:]
-    assert log.count("completed before, not submitted") == 3 and "python -m analysis.status" in log
-    after = submitted_jobs(sweep_dir)
-    assert [n for n in after if after[n] != before[n]] == [2]
-    assert statuses(sweep_dir)[2] in {"queued", "running"}  # the launcher returned while the job is still there
+        check=True,
+        timeout=60,
+    ).stdout.strip()
+
+    def state() -> str:
+        return subprocess.run(
+            ["squeue", "-h", "-j", blocker, "-o", "%T"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+
+    try:
+        wait_for("the blocking job to run", lambda: state() == "RUNNING", timeout=120)
+        yield blocker
+    finally:
+        subprocess.run(["scancel", blocker], capture_output=True, timeout=60)
+
+
+@pytest.mark.integration
+def test_submit_and_return_resubmits_only_the_failed_run(slurm_sweep: dict[str, Any]) -> None:
+    """With the node taken by another job, the launcher (wait=false) submits the failed run alone and returns while
+    it is queued; once the node frees, it runs and fails again, its second attempt in the same run directory."""
+    sweep_dir = slurm_sweep["sweep_dir"]
+    before = submitted_jobs(sweep_dir)
+    with cluster_full():
+        again = subprocess.run(
+            [sys.executable, "launch.py", *slurm_sweep["args"], "hydra.launcher.wait=false"],
+            cwd=ROOT,
+            env=slurm_sweep["env"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        log = again.stdout + again.stderr
+        assert again.returncode == 0, log[-3000:]
+        assert log.count("completed before, not submitted") == 3 and "python -m analysis.status" in log
+        after = submitted_jobs(sweep_dir)
+        assert [n for n in after if after[n] != before[n]] == [2]
+        assert statuses(sweep_dir)[2] == "queued"  # the launcher returned while the job waits for the node
 
     wait_for("the resubmitted run to fail again", lambda: statuses(sweep_dir)[2] == "failed")
     assert summary(sweep_dir / "2")["attempts"] == 2
