@@ -12,9 +12,9 @@ alpha divided by its size (Holm's first step, the strictest one). `--mde` is in 
 for accuracies. The spread is read from the pilot's validation scores by default (`--metric`), so that planning is no
 look at the test split. The between-cluster variance of a pilot of few clusters is itself uncertain (3 clusters: 2
 degrees of freedom); the plan prints it as an upper bound too (its one-sided 80% bound from the chi-square), and
-the clusters that bound would need. A comparison with fewer than 2 completed pairs in the pilot (its runs interrupted,
-say) is named with its runs' statuses and not planned; the others still are. The plan is written beside the pilot
-(`plan.md`) to be committed before the study.
+the clusters that bound would need. A comparison whose completed pairs cannot give the two components (fewer than 2,
+or none of its warm starts with 2: its runs interrupted, say) is named with why and not planned; the others still are.
+The plan is written beside the pilot (`plan.md`) to be committed before the study.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ UPPER = 0.8  # the confidence of the between-cluster variance's upper bound the 
 
 
 class TooFewPairs(ValueError):
-    """The pilot holds fewer than 2 completed pairs of a comparison: that one is not planned, the others are."""
+    """The pilot's completed pairs of a comparison cannot give its variance components (fewer than 2 pairs, or no
+    warm start with 2): that one is not planned, the others are."""
 
 
 def paired_differences(table: pd.DataFrame, declared: Declared, metric: str) -> tuple[list[float], list[str]]:
@@ -61,12 +62,25 @@ def paired_differences(table: pd.DataFrame, declared: Declared, metric: str) -> 
             for name, side in (("baseline", declared.baseline), ("treatment", declared.treatment))
         }
         raise TooFewPairs(
-            f"fewer than 2 seeds and warm starts have completed runs with {metric} on both sides (do the sides start "
-            f"from one warm start? the pilot's baseline runs: {statuses['baseline'] or 'none'}; treatment runs: "
-            f"{statuses['treatment'] or 'none'})"
+            f"fewer than 2 seeds and warm starts have completed runs with {metric} on both sides (the pilot's baseline "
+            f"runs: {statuses['baseline'] or 'none'}; treatment runs: {statuses['treatment'] or 'none'}; where both "
+            "sides completed, do they start from one warm start?)"
         )
     clusters = [c if c is not None else f"pair {i}" for i, c in enumerate(found.clusters)]
     return list(found.differences), clusters
+
+
+def components_of(table: pd.DataFrame, declared: Declared, metric: str) -> Components:
+    """The variance components of the pilot's paired differences of one comparison; TooFewPairs where its completed
+    pairs cannot give them (foundation.stats.variance_components: 2 warm starts or more, one with 2 pairs or more)."""
+    differences, clusters = paired_differences(table, declared, metric)
+    warm_starts = len(set(clusters))
+    if warm_starts < 2 or len(differences) <= warm_starts:
+        raise TooFewPairs(
+            f"its {len(differences)} completed pairs in {warm_starts} warm starts cannot separate warm starts from "
+            "seeds (that needs 2 warm starts or more, one of them with 2 pairs or more)"
+        )
+    return variance_components(differences, clusters)
 
 
 def plan_lines(name: str, components: Components, mde: float, alpha: float, power: float, scale: float) -> list[str]:
@@ -153,7 +167,7 @@ def main(argv: list[str] | None = None) -> str:
     unplanned = []
     for declared in comparisons:
         try:
-            components = variance_components(*paired_differences(table, declared, metric))
+            components = components_of(table, declared, metric)
         except TooFewPairs as exc:
             lines += [f"## {declared.name}", "", f"Not planned from this pilot: {exc}.", ""]
             unplanned.append(f"{declared.name}: {exc}")

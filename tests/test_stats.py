@@ -5,6 +5,7 @@ test and its heterogeneity, variance components and the plan built on them, the 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -156,9 +157,10 @@ ABLATION_CELLS = {  # experiment=learn-pool-gpu-ablations' four cells, each with
 }
 
 
-def write_ablation_pilot(root: Path, interrupted: set[str]) -> None:
+def write_ablation_pilot(root: Path, interrupted: Collection[str], second_seed: Collection[str] = ()) -> None:
     """Three warm starts x 2 seeds of each cell; the runs of the cells in `interrupted` stopped before the end (as a
-    cell that needs more than a call's time does)."""
+    cell that needs more than a call's time does), or only each warm start's second seed of those in
+    `second_seed`. An interrupted run keeps the validation scores it had."""
     num = 0
     for warm in range(3):
         for i in range(2):
@@ -167,7 +169,7 @@ def write_ablation_pilot(root: Path, interrupted: set[str]) -> None:
                 extra += [f"algorithm.max_response_length={length}"]
                 gain = 0.01 * warm + 0.02 * i * (cell != "baseline")
                 write_arm(root / str(num), "grpo", 2 * warm + i, 0.3 + gain, warm_seed=warm, extra=extra)
-                if cell in interrupted:
+                if cell in interrupted or (i == 1 and cell in second_seed):
                     summary = json.loads((root / str(num) / "summary.json").read_text())
                     (root / str(num) / "summary.json").write_text(json.dumps(summary | {"status": "interrupted"}))
                 num += 1
@@ -184,10 +186,20 @@ def test_a_comparison_the_pilot_cannot_pair_is_named_and_the_others_are_planned(
     assert "0.05 / 3 comparisons = 0.0167" in text
     assert (
         "## no_check_step\n\nNot planned from this pilot: fewer than 2 seeds and warm starts have completed runs "
-        "with val_final on both sides (do the sides start from one warm start? the pilot's baseline runs: 6 completed; "
-        "treatment runs: 6 interrupted)."
+        "with val_final on both sides (the pilot's baseline runs: 6 completed; treatment runs: 6 interrupted; where "
+        "both sides completed, do they start from one warm start?)."
     ) in text
     for name in ("one_turn", "short_context"):
+        assert f"## {name}\n\nPilot: 6 pairs in 3 clusters" in text
+
+    # one seed of each warm start left: 3 pairs, none of them a second seed of its warm start
+    write_ablation_pilot(tmp_path / "one-seed", interrupted=set(), second_seed={"oneturn"})
+    text = plan_cli.main([str(tmp_path / "one-seed"), "--mde", "5", "--experiment", "learn-pool-gpu-ablations"])
+    assert (
+        "## one_turn\n\nNot planned from this pilot: its 3 completed pairs in 3 warm starts cannot separate warm "
+        "starts from seeds"
+    ) in text
+    for name in ("no_check_step", "short_context"):
         assert f"## {name}\n\nPilot: 6 pairs in 3 clusters" in text
 
     write_ablation_pilot(tmp_path / "none", interrupted={"nocheck", "oneturn", "short"})
