@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# experiment=learn-pool-gpu-ablations on the GPU, warm start WSg on GPU g (as many of WS0-WS3 as are set: two on an
-# nvidia-h200-x2 machine, four on an nvidia-h200-x4, the same GPU, cores and memory a GPU; with fewer GPUs than warm
-# starts, WSg goes on GPU g mod their number, e.g. WS0 and WS1 both on one nvidia-h200's), three calls back to back
-# on one warm machine (the warm starts and pools stay in /tmp/cache; a fresh machine builds the warm starts again, and
-# a rebuild is other weights: every cell of a warm start runs on the machine that built it):
+# experiment=learn-pool-gpu-ablations on the GPU, warm start WSg (as many of WS0-WS7 as are set) on GPU g mod the
+# machine's GPUs: two warm starts a GPU as the pilot ran (WS0-WS1 on an nvidia-h200, WS0-WS3 on nvidia-h200-x2, WS0-WS7
+# on nvidia-h200-x4: the same GPU, cores and memory a GPU), three calls back to back on one warm machine (the warm
+# starts and pools stay in /tmp/cache; a fresh machine builds the warm starts again, and a rebuild is other weights:
+# every cell of a warm start runs on the machine that built it, within its 30 minutes held):
 #   MODE=pools WS0=W [WS1=.. WS3=..]: each warm start built once, by a one-step run of the baseline cell, and each
 #     cell's pool (the pool depends on the agent and the lengths: every cell samples its own) by a one-step run of the
 #     other cells from that warm start (in /tmp/prep, not returned, no test split scored)
 #   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a warm start)
 #   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps
-#     again: at equal FLOPs that cell takes ~2x the steps (the pilot: ~415), more than a call's limit beside the
-#     baseline, so its runs stop at LIMIT (seconds a sweep may run; LIMIT=565 in the pilot) with a checkpoint and
-#     resume here (completed runs are skipped)
+#     again: at equal FLOPs that cell takes ~2.2x the steps (the pilot: ~415), more than a call's limit beside the
+#     baseline, so its runs stop at LIMIT (seconds a sweep may run: 540 leaves the call's start and end their time)
+#     with a checkpoint and resume here (completed runs are skipped)
 # Every cell of warm start W loads the baseline's build (warmstart.path and its digest, /tmp/cache/ws<W>.args): the
 # warm start's own key holds the agent's demonstrations and the lengths, so each cell would otherwise build, and
 # start from, its own.
@@ -23,15 +23,21 @@
 #   report that reads those scores is the study's one look (its ledger records it).
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
 set -u
-source bench/device_call.sh
-device_call_begin
-
 P="experiment=learn-pool-gpu-ablations"
 case ${STAGE:-pilot} in
   pilot) P="$P algorithm.test_at_end=false" ;;
   study) ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
+case ${MODE:-} in
+  pools) ;;
+  cells-a) cells="baseline nocheck" ;;
+  cells-b) cells="oneturn short nocheck" ;;
+  *) echo "unknown MODE=${MODE:-} (pools, cells-a or cells-b)"; exit 2 ;;
+esac
+source bench/device_call.sh
+device_call_begin
+
 declare -A CELL=(
   [baseline]=""
   [nocheck]="agent.check_step=false"
@@ -60,15 +66,9 @@ prep() {  # prep GPU W: W's warm start built once, then the other cells' pools f
   for c in nocheck oneturn short; do cell $gpu $w $c /tmp/prep $once $(cat /tmp/cache/ws$w.args) & done
   wait
 }
-case $MODE in
-  pools) ;;
-  cells-a) cells="baseline nocheck" ;;
-  cells-b) cells="oneturn short nocheck" ;;
-  *) echo "unknown MODE=$MODE"; exit 2 ;;
-esac
-ngpu=$(nvidia-smi -L | wc -l)  # one GPU: every warm start on it (an 11M model: the cores, not the GPU, bind)
+ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 pids=()
-for g in 0 1 2 3; do
+for g in 0 1 2 3 4 5 6 7; do
   w=$(eval echo "\${WS$g:-}")
   [ -z "$w" ] && continue
   if [ $MODE != pools ] && [ ! -f /tmp/cache/ws$w.args ]; then
