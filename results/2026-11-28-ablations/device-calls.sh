@@ -4,9 +4,11 @@
 # on nvidia-h200-x4: the same GPU, cores and memory a GPU), three calls back to back on one warm machine (the warm
 # starts and pools stay in /tmp/cache; a fresh machine builds the warm starts again, and a rebuild is other weights:
 # every cell of a warm start runs on the machine that built it, within its 30 minutes held):
-#   MODE=pools WS0=W [WS1=.. WS3=..]: each warm start built once, by a one-step run of the baseline cell, and each
-#     cell's pool (the pool depends on the agent and the lengths: every cell samples its own) by a one-step run of the
-#     other cells from that warm start (in /tmp/prep, not returned, no test split scored)
+#   MODE=pools WS0=W [WS1=.. WS7=..]: each warm start built once, by a one-step run of the baseline cell without its
+#     pool (the pool is not in the warm start's key), then each cell's pool (the pool depends on the agent and the
+#     lengths: every cell samples its own) by a one-step run of every cell from that warm start, side by side (in
+#     /tmp/prep, not returned, no test split scored; the pilot sampled the baseline's pool in the build run, before
+#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest)
 #   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a warm start)
 #   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps
 #     again: at equal FLOPs that cell takes ~2.2x the steps (the pilot: ~415), more than a call's limit beside the
@@ -39,6 +41,7 @@ source bench/device_call.sh
 device_call_begin
 
 declare -A CELL=(
+  [build]="algorithm.pool_samples=null"  # the baseline cell without its pool: only its warm start, built once
   [baseline]=""
   [nocheck]="agent.check_step=false"
   [oneturn]="agent.max_turns=1"
@@ -50,20 +53,20 @@ cell() {  # cell GPU W NAME ROOT EXTRA...: the cell's sweep on GPU, its log in $
     ${CELL[$name]} "$@" hydra/launcher=local_parallel hydra.launcher.n_jobs=4 hydra.sweep.dir=$root/ws$w-$name \
     > $OUT/ws$w-$name.log 2>&1
 }
-built() {  # built W: the overrides that load W's warm start, as the pools call's baseline run built it
+built() {  # built W: the overrides that load W's warm start, as the pools call's build run built it
   python -c "
 import glob, json
-[summary] = glob.glob('/tmp/prep/ws$1-baseline/*/summary.json')
+[summary] = glob.glob('/tmp/prep/ws$1-build/*/summary.json')
 sft = json.load(open(summary))['sft']
 print(f\"warmstart.path={sft['checkpoint']} warmstart.weights_sha256={sft['weights_sha256']}\")"
 }
-prep() {  # prep GPU W: W's warm start built once, then the other cells' pools from it, side by side
+prep() {  # prep GPU W: W's warm start built once, then every cell's pool from it, side by side
   local gpu=$1 w=$2 c
   local once="algorithm.flops_budget=null algorithm.max_steps=1 algorithm.val_points=null seed=$((2 * w))"
   once="$once algorithm.test_at_end=false"
-  cell $gpu $w baseline /tmp/prep $once
-  built $w > /tmp/cache/ws$w.args || { echo "no warm start built for W=$w" >> $OUT/ws$w-baseline.log; return 1; }
-  for c in nocheck oneturn short; do cell $gpu $w $c /tmp/prep $once $(cat /tmp/cache/ws$w.args) & done
+  cell $gpu $w build /tmp/prep $once
+  mkdir -p /tmp/cache && built $w > /tmp/cache/ws$w.args || { echo "no warm start built for W=$w" >> $OUT/ws$w-build.log; return 1; }
+  for c in baseline nocheck oneturn short; do cell $gpu $w $c /tmp/prep $once $(cat /tmp/cache/ws$w.args) & done
   wait
 }
 ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
