@@ -4,6 +4,8 @@
 was told to stop: SIGTERM, Ctrl-C; with `stopped_at` (the phase and last logged step), the latest complete
 `checkpoint` and the command that resumes it; a requeued job runs again and resumes). It describes the latest attempt;
 `attempts` counts the starts in this directory, one line each in `attempts.jsonl` (time, commit, host, SLURM job).
+`wall_s` is the run's wall time over its attempts (`attempt_wall_s` the latest one's): those that wrote a summary,
+`wall_s_attempts` of them (an attempt killed before it could write one is not counted).
 In a sweep, a run that completed before in its directory with the same overrides is not run again.
 """
 
@@ -114,6 +116,15 @@ def stop_without_traceback(exc: Exception, hydra: DictConfig) -> None:
         raise SystemExit(1) from None
 
 
+def earlier_wall_s(run: RunDir) -> tuple[float, int]:
+    """The wall time of the run's earlier attempts in `run` that wrote a summary, and how many they are (a summary
+    written before `wall_s_attempts` existed counts its own attempt only)."""
+    if not run.summary_file.is_file():
+        return 0.0, 0
+    previous = json.loads(run.summary_file.read_text(encoding="utf-8"))
+    return float(previous.get("wall_s") or 0.0), int(previous.get("wall_s_attempts", 1))
+
+
 def run_job(cfg: DictConfig) -> dict[str, Any]:
     """Run `cfg.job._target_` in its run directory; write `summary.json` (completed or failed) and print it."""
     hydra = HydraConfig.get()  # one output directory per run, also in a sweep
@@ -151,7 +162,13 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         "overrides": overrides,
         "attempts": run.start_attempt(attempt),  # > 1: started here again after a requeue, preemption or failure
     }
+    earlier_s, earlier_n = earlier_wall_s(run)
     start = time.monotonic()
+
+    def wall() -> dict[str, Any]:
+        attempt_s = time.monotonic() - start
+        return {"wall_s": earlier_s + attempt_s, "attempt_wall_s": attempt_s, "wall_s_attempts": earlier_n + 1}
+
     tracker = None
     try:
         with stop_signals():  # SIGTERM / SIGINT: Interrupted, recorded below
@@ -166,7 +183,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
             "status": "interrupted" if interrupted else "failed",
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
-            "wall_s": time.monotonic() - start,
+            **wall(),
         }
         if interrupted:
             failed |= interruption(run, hydra)
@@ -179,7 +196,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         if isinstance(exc, STOPS_WITHOUT_TRACEBACK):  # its traceback is in summary.json
             stop_without_traceback(exc, hydra)
         raise
-    summary = base | {"status": "completed", "error": None, "wall_s": time.monotonic() - start} | results
+    summary = base | {"status": "completed", "error": None} | wall() | results
     summary["tracking_errors"] = run.tracking_errors
     run.write_summary(summary)
     finish_tracker(tracker, summary, run)

@@ -60,6 +60,11 @@ def test_a_failing_run_does_not_stop_a_local_sweep_and_a_rerun_only_reruns_it(ca
     assert again.stdout.count("completed before with the same overrides, not run again") == 2
     assert [executions(sweep / str(n)) for n in range(4)] == [1, 1, 2, 2]
     assert [json.loads((sweep / str(n) / "summary.json").read_text())["attempts"] for n in range(4)] == [1, 1, 2, 2]
+    for n in (2, 3):  # a run's wall time is over its attempts, the latest one's beside it
+        first_s, second = summaries[n], json.loads((sweep / str(n) / "summary.json").read_text())
+        assert (first_s["wall_s_attempts"], second["wall_s_attempts"]) == (1, 2)
+        assert first_s["wall_s"] == first_s["attempt_wall_s"]
+        assert second["wall_s"] == pytest.approx(first_s["wall_s"] + second["attempt_wall_s"])
 
     runs = sweep_status(sweep)
     assert [(r.num, r.status) for r in runs] == [(0, "completed"), (1, "completed"), (2, "failed"), (3, "failed")]
