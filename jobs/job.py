@@ -35,7 +35,7 @@ from foundation.run_dir import RunDir, git_commit, last_complete_checkpoint
 from jobs.config import build_group, check_job, check_run
 from jobs.doctor import PreflightFailed
 from jobs.ranks import write_rank_results
-from jobs.sweep import completed_run
+from jobs.sweep import completed_run, read_summary
 
 # failures whose message says what to change (a config key, the doctor's table): a run stops with one line, no traceback
 STOPS_WITHOUT_TRACEBACK = (ConfigError, PreflightFailed)
@@ -117,12 +117,12 @@ def stop_without_traceback(exc: Exception, hydra: DictConfig) -> None:
 
 
 def earlier_wall_s(run: RunDir) -> tuple[float, int]:
-    """The wall time of the run's earlier attempts in `run` that wrote a summary, and how many they are (a summary
-    written before `wall_s_attempts` existed counts its own attempt only)."""
-    if not run.summary_file.is_file():
+    """The wall time of the run's earlier attempts in `run` that wrote a summary with one, and how many they are (a
+    summary written before `wall_s_attempts` existed counts its own attempt only; one without `wall_s`, none)."""
+    previous = read_summary(run.path)
+    if previous is None or previous.get("wall_s") is None:
         return 0.0, 0
-    previous = json.loads(run.summary_file.read_text(encoding="utf-8"))
-    return float(previous.get("wall_s") or 0.0), int(previous.get("wall_s_attempts", 1))
+    return float(previous["wall_s"]), int(previous.get("wall_s_attempts", 1))
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:

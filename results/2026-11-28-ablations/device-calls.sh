@@ -65,7 +65,10 @@ prep() {  # prep GPU W: W's warm start built once, then every cell's pool from i
   local once="algorithm.flops_budget=null algorithm.max_steps=1 algorithm.val_points=null seed=$((2 * w))"
   once="$once algorithm.test_at_end=false"
   cell $gpu $w build /tmp/prep $once
-  mkdir -p /tmp/cache && built $w > /tmp/cache/ws$w.args || { echo "no warm start built for W=$w" >> $OUT/ws$w-build.log; return 1; }
+  mkdir -p /tmp/cache
+  # the args file only once it holds them: without it, no cell of W runs (each would build a warm start of its own)
+  built $w > /tmp/cache/ws$w.args.tmp && mv /tmp/cache/ws$w.args.tmp /tmp/cache/ws$w.args \
+    || { echo "no warm start built for W=$w" >> $OUT/ws$w-build.log; return 1; }
   for c in baseline nocheck oneturn short; do cell $gpu $w $c /tmp/prep $once $(cat /tmp/cache/ws$w.args) & done
   wait
 }
@@ -74,7 +77,7 @@ pids=()
 for g in 0 1 2 3 4 5 6 7; do
   w=$(eval echo "\${WS$g:-}")
   [ -z "$w" ] && continue
-  if [ $MODE != pools ] && [ ! -f /tmp/cache/ws$w.args ]; then
+  if [ $MODE != pools ] && [ ! -s /tmp/cache/ws$w.args ]; then
     echo "W=$w: no warm start built (MODE=pools first, on this machine)" >> $OUT/env-$MODE.txt
     continue
   fi
@@ -88,5 +91,5 @@ for g in 0 1 2 3 4 5 6 7; do
     done
   fi
 done
-wait "${pids[@]}"
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"  # none: a bare `wait` would wait for the load sampler, for ever
 device_call_end
