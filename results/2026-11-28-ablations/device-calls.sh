@@ -8,12 +8,14 @@
 #     pool (the pool is not in the warm start's key), then each cell's pool (the pool depends on the agent and the
 #     lengths: every cell samples its own) by a one-step run of every cell from that warm start, side by side (in
 #     /tmp/prep, not returned, no test split scored; the pilot sampled the baseline's pool in the build run, before
-#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest)
-#   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a warm start)
-#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps
-#     again: at equal FLOPs that cell takes ~2.2x the steps (the pilot: ~415), more than a call's limit beside the
-#     baseline, so its runs stop at LIMIT (seconds a sweep may run: 540 leaves the call's start and end their time)
-#     with a checkpoint and resume here (completed runs are skipped)
+#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest); then the no-check-step cell's runs,
+#     seeds 2W and 2W+1, until the call's LIMIT: at equal FLOPs that cell takes ~2.2x the steps (the pilot: ~415),
+#     more than one call's beside the baseline, so they start here, stop at LIMIT with a checkpoint and resume below
+#   MODE=cells-a (the same WSg): the baseline cell, seeds 2W and 2W+1, and the no-check cell's runs resumed
+#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps again
+#     (completed runs are skipped: only a run still unfinished resumes)
+# LIMIT: seconds from the call's start (after the wheels' install) until every sweep still running is stopped (540,
+#   the default, leaves the call's start and end their time inside the device's 600 s).
 # Every cell of warm start W loads the baseline's build (warmstart.path and its digest, /tmp/cache/ws<W>.args): the
 # warm start's own key holds the agent's demonstrations and the lengths, so each cell would otherwise build, and
 # start from, its own.
@@ -33,12 +35,13 @@ case ${STAGE:-pilot} in
 esac
 case ${MODE:-} in
   pools) ;;
-  cells-a) cells="baseline nocheck" ;;
-  cells-b) cells="oneturn short nocheck" ;;
+  cells-a) names="baseline nocheck" ;;  # nocheck: resumed
+  cells-b) names="oneturn short nocheck" ;;
   *) echo "unknown MODE=${MODE:-} (pools, cells-a or cells-b)"; exit 2 ;;
 esac
 source bench/device_call.sh
 device_call_begin
+DEADLINE=$((DEVICE_CALL_START + ${LIMIT:-540}))
 
 declare -A CELL=(
   [build]="algorithm.pool_samples=null"  # the baseline cell without its pool: only its warm start, built once
@@ -47,11 +50,21 @@ declare -A CELL=(
   [oneturn]="agent.max_turns=1"
   [short]="algorithm.max_response_length=256"
 )
-cell() {  # cell GPU W NAME ROOT EXTRA...: the cell's sweep on GPU, its log in $OUT
+cell() {  # cell GPU W NAME ROOT EXTRA...: the cell's sweep on GPU until the call's DEADLINE, its log in $OUT
   local gpu=$1 w=$2 name=$3 root=$4; shift 4
-  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM ${LIMIT:-540} python launch.py -m $P warmstart.seed=$w model.init_seed=$w \
+  local left=$((DEADLINE - $(date +%s)))
+  if [ $left -lt 120 ]; then  # too little time for a run to load and take a step: it starts in the next call
+    echo "not started: ${left} s left before LIMIT" >> $OUT/ws$w-$name.log
+    return 0
+  fi
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM $left python launch.py -m $P warmstart.seed=$w model.init_seed=$w \
     ${CELL[$name]} "$@" hydra/launcher=local_parallel hydra.launcher.n_jobs=4 hydra.sweep.dir=$root/ws$w-$name \
-    > $OUT/ws$w-$name.log 2>&1
+    >> $OUT/ws$w-$name.log 2>&1
+}
+cells() {  # cells GPU W NAME...: those cells' sweeps from W's warm start, seeds 2W and 2W+1, side by side, in /tmp/out
+  local gpu=$1 w=$2 c; shift 2
+  for c in "$@"; do cell $gpu $w $c /tmp/out $(cat /tmp/cache/ws$w.args) seed=$((2 * w)),$((2 * w + 1)) & done
+  wait
 }
 built() {  # built W: the overrides that load W's warm start, as the pools call's build run built it
   python -c "
@@ -82,14 +95,11 @@ for g in 0 1 2 3 4 5 6 7; do
     continue
   fi
   if [ $MODE = pools ]; then
-    prep $((g % ngpu)) $w &
-    pids+=($!)
+    { prep $((g % ngpu)) $w && cells $((g % ngpu)) $w nocheck; } &
   else
-    for c in $cells; do
-      cell $((g % ngpu)) $w $c /tmp/out $(cat /tmp/cache/ws$w.args) seed=$((2 * w)),$((2 * w + 1)) &
-      pids+=($!)
-    done
+    cells $((g % ngpu)) $w $names &
   fi
+  pids+=($!)
 done
 [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"  # none: a bare `wait` would wait for the load sampler, for ever
 device_call_end
