@@ -8,11 +8,11 @@
 #     pool (the pool is not in the warm start's key), then each cell's pool (the pool depends on the agent and the
 #     lengths: every cell samples its own) by a one-step run of every cell from that warm start, side by side (in
 #     /tmp/prep, not returned, no test split scored; the pilot sampled the baseline's pool in the build run, before
-#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest); then the no-check-step cell's runs,
-#     seeds 2W and 2W+1, until the call's LIMIT: at equal FLOPs that cell takes ~2.2x the steps (the pilot: ~415),
-#     more than one call's beside the baseline, so they start here, stop at LIMIT with a checkpoint and resume below
-#   MODE=cells-a (the same WSg): the baseline cell, seeds 2W and 2W+1, and the no-check cell's runs resumed
-#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise; and the no-check cell's sweeps again
+#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest); ~400 s for W=0 and W=1 on one H200
+#   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a warm start); at
+#     equal FLOPs the no-check cell takes ~2.2x the steps (the pilot: ~415), more than a call's beside the baseline:
+#     its runs stop at LIMIT with a checkpoint and resume in cells-b
+#   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise, and the no-check cell's sweeps again
 #     (completed runs are skipped: only a run still unfinished resumes)
 # LIMIT: seconds from the call's start (after the wheels' install) until every sweep still running is stopped (540,
 #   the default, leaves the call's start and end their time inside the device's 600 s).
@@ -35,7 +35,7 @@ case ${STAGE:-pilot} in
 esac
 case ${MODE:-} in
   pools) ;;
-  cells-a) names="baseline nocheck" ;;  # nocheck: resumed
+  cells-a) names="baseline nocheck" ;;
   cells-b) names="oneturn short nocheck" ;;
   *) echo "unknown MODE=${MODE:-} (pools, cells-a or cells-b)"; exit 2 ;;
 esac
@@ -95,7 +95,7 @@ for g in 0 1 2 3 4 5 6 7; do
     continue
   fi
   if [ $MODE = pools ]; then
-    { prep $((g % ngpu)) $w && cells $((g % ngpu)) $w nocheck; } &
+    prep $((g % ngpu)) $w &
   else
     cells $((g % ngpu)) $w $names &
   fi
