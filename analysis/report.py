@@ -802,11 +802,23 @@ def _html_text(text: str) -> str:
     return re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(text))
 
 
-def record_looks(report: Report, ledger_dir: Path) -> dict[str, str]:
+def without_test(run: Run) -> Run:
+    """The run as an interim report reads it (`--no-test`): its test-split scores, overall, per subset and per
+    question, left unread, so the report shows none and records no look at the test split."""
+    return dataclasses.replace(
+        run,
+        metrics=[{k: v for k, v in m.items() if not k.startswith("test/")} for m in run.metrics],
+        items={k: v for k, v in run.items.items() if not k.startswith("test")},
+    )
+
+
+def record_looks(report: Report, ledger_dir: Path, test_read: bool = True) -> dict[str, str]:
     """Where the report shows test-split scores (any completed run's `test_final`), its look goes into the ledger
     kept with the runs (`ledger_dir`: the study's folder, whichever folder the report is written to; see
     analysis/verdicts.py `Ledger`, `ledger_folder`). Per declared comparison, the note its verdict carries; under "",
-    a sentence for the report's introduction."""
+    a sentence for the report's introduction (`test_read` false: that the test split was left unread)."""
+    if not test_read:
+        return {"": "The test split's scores were left unread (`--no-test`: an interim report); no look at it."}
     done = report.runs[report.runs.status == COMPLETED]
     if done.test_final.isna().all():
         return {}
@@ -823,15 +835,22 @@ def record_looks(report: Report, ledger_dir: Path) -> dict[str, str]:
 
 
 def write(
-    report: Report, runs: list[Run], factors: list[str], sources: list[str], out: Path, ledger_dir: Path | None = None
+    report: Report,
+    runs: list[Run],
+    factors: list[str],
+    sources: list[str],
+    out: Path,
+    ledger_dir: Path | None = None,
+    test_read: bool = True,
 ) -> None:
-    """The report's files into `out`; a look at the test split into the ledger in `ledger_dir` (default: `out`)."""
+    """The report's files into `out`; a look at the test split into the ledger in `ledger_dir` (default: `out`);
+    `test_read` false where the runs' test scores were left unread (`without_test`)."""
     out.mkdir(parents=True, exist_ok=True)
     curves_figure(runs, report.runs, factors, out / "curves.png")
     cost_figure(report.runs, factors, report.metric, out / "cost.png")
     report.runs.drop(columns=["items"]).to_csv(out / "runs.csv", index=False)
     md, body = [], []
-    for heading, text, table in _sections(report, sources, record_looks(report, ledger_dir or out)):
+    for heading, text, table in _sections(report, sources, record_looks(report, ledger_dir or out, test_read)):
         level = "#" if heading == "Ablation report" else "##"
         md.append(f"{level} {heading}\n")
         body.append(f"<h{len(level)}>{html.escape(heading.replace('`', ''))}</h{len(level)}>")
@@ -861,7 +880,15 @@ def main(argv: list[str] | None = None) -> Path:
         help="the metric the exploratory tables compare (default: the declared one where the runs declare "
         "comparisons, else val_final); declared comparisons use the study's own",
     )
+    parser.add_argument(
+        "--no-test",
+        action="store_true",
+        help="leave every test-split score unread (an interim report on a study still running, or while tuning): "
+        "no test column, no declared verdict, no look in the ledger",
+    )
     args = parser.parse_args(argv)
+    if args.no_test and args.metric and args.metric.startswith("test"):
+        parser.error(f"--metric {args.metric} reads the test split, which --no-test leaves unread")
     local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
     out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
     try:
@@ -870,11 +897,13 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(str(exc))
     if not runs:
         parser.error(f"no runs found under {' '.join(args.sources)}")
+    if args.no_test:
+        runs = [without_test(run) for run in runs]
     try:
-        report, factors = build(runs, args.metric)
+        report, factors = build(runs, args.metric or ("val_final" if args.no_test else None))
     except ValueError as exc:
         parser.error(str(exc))
-    write(report, runs, factors, args.sources, out, ledger_folder(local) if local else out)
+    write(report, runs, factors, args.sources, out, ledger_folder(local) if local else out, not args.no_test)
     print(f"{len(runs)} runs ({len(report.problems)} failed or unfinished), factors: {', '.join(factors) or 'none'}")
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return out

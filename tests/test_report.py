@@ -806,3 +806,19 @@ def test_a_folder_that_is_not_there_is_one_line_naming_it(tmp_path: Path, capsys
     with pytest.raises(SystemExit) as stopped:
         report.main([str(tmp_path / "nowhere")])
     assert stopped.value.code == 2 and f"{tmp_path / 'nowhere'}: not a directory" in capsys.readouterr().err
+
+
+def test_an_interim_report_leaves_the_test_split_unread(tmp_path: Path) -> None:
+    """`--no-test` on a study whose runs scored the test split: no test score anywhere in the report, no verdict on
+    it, no look in the ledger; the exploratory tables on validation; asking for a test metric with it is refused."""
+    write_study(tmp_path / "study", None, STEADY)
+    out = report.main([str(tmp_path / "study"), "--no-test", "--out", str(tmp_path / "interim")])
+    md = (out / "report.md").read_text()
+    assert not (tmp_path / "study" / "ledger.jsonl").exists() and not (out / "ledger.jsonl").exists()
+    assert "left unread (`--no-test`: an interim report); no look at it." in md
+    assert "Metric: validation accuracy at the last step (`val_final`" in md
+    table = pd.read_csv(out / "runs.csv")
+    assert table.test_final.isna().all() and table.val_final.notna().all()
+    assert not [c for c in table.columns if c.startswith("test_final:")]
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "study"), "--no-test", "--metric", "test_final", "--out", str(tmp_path / "x")])
