@@ -842,15 +842,17 @@ def write(
     out: Path,
     ledger_dir: Path | None = None,
     test_read: bool = True,
-) -> None:
+) -> str | None:
     """The report's files into `out`; a look at the test split into the ledger in `ledger_dir` (default: `out`);
-    `test_read` false where the runs' test scores were left unread (`without_test`)."""
+    `test_read` false where the runs' test scores were left unread (`without_test`). What the report says of the test
+    split (which look it is, or that it was left unread); None where no run scored it."""
     out.mkdir(parents=True, exist_ok=True)
     curves_figure(runs, report.runs, factors, out / "curves.png")
     cost_figure(report.runs, factors, report.metric, out / "cost.png")
     report.runs.drop(columns=["items"]).to_csv(out / "runs.csv", index=False)
     md, body = [], []
-    for heading, text, table in _sections(report, sources, record_looks(report, ledger_dir or out, test_read)):
+    looks = record_looks(report, ledger_dir or out, test_read)
+    for heading, text, table in _sections(report, sources, looks):
         level = "#" if heading == "Ablation report" else "##"
         md.append(f"{level} {heading}\n")
         body.append(f"<h{len(level)}>{html.escape(heading.replace('`', ''))}</h{len(level)}>")
@@ -868,6 +870,7 @@ def write(
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{padding:2px 8px}"
     page = f"<!doctype html><html><head><meta charset='utf-8'><title>Ablation report</title><style>{style}</style>"
     (out / "report.html").write_text(f"{page}</head><body>{''.join(body)}</body></html>", encoding="utf-8")
+    return looks.get("")
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -903,8 +906,10 @@ def main(argv: list[str] | None = None) -> Path:
         report, factors = build(runs, args.metric or ("val_final" if args.no_test else None))
     except ValueError as exc:
         parser.error(str(exc))
-    write(report, runs, factors, args.sources, out, ledger_folder(local) if local else out, not args.no_test)
+    test = write(report, runs, factors, args.sources, out, ledger_folder(local) if local else out, not args.no_test)
     print(f"{len(runs)} runs ({len(report.problems)} failed or unfinished), factors: {', '.join(factors) or 'none'}")
+    if test is not None:  # a look at the test split is said where the report is run, not only inside it
+        print(test if args.no_test else f"{test} (--no-test: a report that reads none)")
     print(f"report: {out / 'report.md'} and {out / 'report.html'}")
     return out
 

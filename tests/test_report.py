@@ -639,12 +639,16 @@ def test_a_report_on_part_of_a_judged_study_is_a_look_at_that_study(tmp_path: Pa
     assert "look 2 at it (" in (tmp_path / "part" / "report.md").read_text()
 
 
-def test_showing_test_scores_is_a_look_whatever_metric_the_report_judges(tmp_path: Path) -> None:
-    """The cells table shows `test_final` beside validation: a report on `val_final` still records the look."""
+def test_showing_test_scores_is_a_look_whatever_metric_the_report_judges(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The cells table shows `test_final` beside validation: a report on `val_final` still records the look, and
+    says so where it is run."""
     write_study(tmp_path / "study", None, STEADY)
     report.main([str(tmp_path / "study"), "--metric", "val_final"])
     (look,) = [json.loads(x) for x in (tmp_path / "study" / "ledger.jsonl").read_text().splitlines()]
     assert look["runs"] == 27 and look["metric"] == "test_final"
+    assert "The test split's scores here are look 1 at it (" in capsys.readouterr().out
 
 
 def test_a_run_without_its_partner_is_named_not_pooled(tmp_path: Path) -> None:
