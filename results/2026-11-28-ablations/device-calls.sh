@@ -25,7 +25,8 @@
 #       --out results/2026-11-28-ablations/pilot
 # STAGE=study: the study's warm starts (README.md: W = 0-9), each run scoring the test split once at its end; the
 #   report that reads those scores is the study's one look (its ledger records it).
-# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call.
+# Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call;
+# unpack-round.sh brings a round's calls into runs/ and calls/ here.
 set -u
 P="experiment=learn-pool-gpu-ablations"
 case ${STAGE:-pilot} in
