@@ -6,7 +6,7 @@ Declared comparisons first: the runs' `analysis` block (foundation/study.py, dec
 names the comparisons of one family; each is tested at the level of the independent unit (analysis/verdicts.py
 `compare`: runs paired by seed and warm start, the pairs of one warm start averaged first), its p adjusted by Holm
 over the family, its look at the test split recorded in the runs' `ledger.jsonl`. Everything else is exploratory and
-says so.
+says so. `--no-test`: an interim report (a study still running) that reads no test score and records no look.
 
 Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths,
 analysis); a cell is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95%
@@ -818,7 +818,9 @@ def record_looks(report: Report, ledger_dir: Path, test_read: bool = True) -> di
     analysis/verdicts.py `Ledger`, `ledger_folder`). Per declared comparison, the note its verdict carries; under "",
     a sentence for the report's introduction (`test_read` false: that the test split was left unread)."""
     if not test_read:
-        return {"": "The test split's scores were left unread (`--no-test`: an interim report); no look at it."}
+        unread = {v.name: "the test split left unread (`--no-test`)" for v in report.declared}
+        intro = "The test split's scores were left unread (`--no-test`: an interim report); no look at it."
+        return unread | {"": intro}
     done = report.runs[report.runs.status == COMPLETED]
     if done.test_final.isna().all():
         return {}
@@ -881,13 +883,13 @@ def main(argv: list[str] | None = None) -> Path:
         "--metric",
         choices=sorted(METRICS),
         help="the metric the exploratory tables compare (default: the declared one where the runs declare "
-        "comparisons, else val_final); declared comparisons use the study's own",
+        "comparisons, else val_final; val_final with --no-test); declared comparisons use the study's own",
     )
     parser.add_argument(
         "--no-test",
         action="store_true",
         help="leave every test-split score unread (an interim report on a study still running, or while tuning): "
-        "no test column, no declared verdict, no look in the ledger",
+        "test columns empty, no declared verdict, no look in the ledger",
     )
     args = parser.parse_args(argv)
     if args.no_test and args.metric and args.metric.startswith("test"):

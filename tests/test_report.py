@@ -813,16 +813,29 @@ def test_a_folder_that_is_not_there_is_one_line_naming_it(tmp_path: Path, capsys
 
 
 def test_an_interim_report_leaves_the_test_split_unread(tmp_path: Path) -> None:
-    """`--no-test` on a study whose runs scored the test split: no test score anywhere in the report, no verdict on
-    it, no look in the ledger; the exploratory tables on validation; asking for a test metric with it is refused."""
-    write_study(tmp_path / "study", None, STEADY)
+    """`--no-test` on a declared study whose runs scored the test split (overall, per subset, per question): no test
+    score anywhere in the report, no verdict on it, no look in the ledger; the exploratory tables on validation (not
+    the declared `test_final`); asking for a test metric with it is refused."""
+    write_study(tmp_path / "study", DECLARED, STEADY)
+    for metrics in (tmp_path / "study").glob("*/metrics.jsonl"):
+        lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+        lines[-1] |= {"test/value/accuracy": 0.777, "test/value/n": 10}
+        metrics.write_text("".join(json.dumps(m) + "\n" for m in lines))
     out = report.main([str(tmp_path / "study"), "--no-test", "--out", str(tmp_path / "interim")])
-    md = (out / "report.md").read_text()
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert not (tmp_path / "study" / "ledger.jsonl").exists() and not (out / "ledger.jsonl").exists()
     assert "left unread (`--no-test`: an interim report); no look at it." in md
+    assert md.count("no verdict (a side has no runs with the metric)") == 2
+    assert md.count("the test split left unread (`--no-test`).") == 2
     assert "Metric: validation accuracy at the last step (`val_final`" in md
+    assert "77.7" not in md and "77.7" not in page
     table = pd.read_csv(out / "runs.csv")
     assert table.test_final.isna().all() and table.val_final.notna().all()
     assert not [c for c in table.columns if c.startswith("test_final:")]
     with pytest.raises(SystemExit):
         report.main([str(tmp_path / "study"), "--no-test", "--metric", "test_final", "--out", str(tmp_path / "x")])
+    # read as it reads them: without any test score, per question included
+    run = report.load([str(tmp_path / "study")])[0]
+    hidden = report.without_test(run)
+    assert run.items.get("test_final") and not hidden.items
+    assert not [k for m in hidden.metrics for k in m if k.startswith("test/")]

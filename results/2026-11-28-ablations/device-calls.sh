@@ -14,8 +14,9 @@
 #     its runs stop at LIMIT with a checkpoint and resume in cells-b
 #   MODE=cells-b (the same WSg): the one-turn and short-context cells, likewise, and the no-check cell's sweeps again
 #     (completed runs are skipped: only a run still unfinished resumes)
-# LIMIT: seconds from the call's start (after the wheels' install) until every sweep still running is stopped (540,
-#   the default, leaves the call's start and end their time inside the device's 600 s).
+# LIMIT: seconds from the call's start (after the wheels' install, ~20 s) until every sweep still running is stopped
+#   (SIGTERM: a run saves after its step; SIGKILL 60 s later), 540 by default; the call's end then waits up to 70 s
+#   for stopped runs and packs (round 1's calls ended 413-544 s after their start at LIMIT 480 and 540: 436-563 s).
 # Every cell of warm start W loads the baseline's build (warmstart.path and its digest, /tmp/cache/ws<W>.args): the
 # warm start's own key holds the agent's demonstrations and the lengths, so each cell would otherwise build, and
 # start from, its own.
@@ -24,7 +25,8 @@
 #   python -m analysis.plan results/2026-11-28-ablations/pilot/runs --mde 5 --experiment learn-pool-gpu-ablations \
 #       --out results/2026-11-28-ablations/pilot
 # STAGE=study: the study's warm starts (README.md: W = 0-9), each run scoring the test split once at its end; the
-#   report that reads those scores is the study's one look (its ledger records it).
+#   report on all of them is the study's look at them (look 2 in runs/ledger.jsonl: a check of round 1 made look 1;
+#   check a round with unpack-round.sh, whose report reads no test score).
 # Carries .vc/trl (python bench/gpu_wheels.py --stack trl .vc/trl); bench/device_call.sh does the rest of a call;
 # unpack-round.sh brings a round's calls into runs/ and calls/ here.
 set -u
@@ -40,6 +42,7 @@ case ${MODE:-} in
   cells-b) names="oneturn short nocheck" ;;
   *) echo "unknown MODE=${MODE:-} (pools, cells-a or cells-b)"; exit 2 ;;
 esac
+[[ ${LIMIT:-540} =~ ^[0-9]+$ ]] || { echo "LIMIT=$LIMIT: seconds, a whole number"; exit 2; }
 source bench/device_call.sh
 device_call_begin
 DEADLINE=$((DEVICE_CALL_START + ${LIMIT:-540}))
@@ -58,7 +61,7 @@ cell() {  # cell GPU W NAME ROOT EXTRA...: the cell's sweep on GPU until the cal
     echo "not started: ${left} s left before LIMIT" >> $OUT/ws$w-$name.log
     return 0
   fi
-  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM $left python launch.py -m $P warmstart.seed=$w model.init_seed=$w \
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s TERM -k 60 $left python launch.py -m $P warmstart.seed=$w model.init_seed=$w \
     ${CELL[$name]} "$@" hydra/launcher=local_parallel hydra.launcher.n_jobs=4 hydra.sweep.dir=$root/ws$w-$name \
     >> $OUT/ws$w-$name.log 2>&1
 }
