@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What every study's device script (results/*/device-calls.sh) does around its runs on a GPU machine, sourced:
 #   source bench/device_call.sh; device_call_begin; ...its sweeps into /tmp/out, logs as $OUT/*.log...; device_call_end
-# begin: the carried wheels installed (.vc/trl: python bench/gpu_wheels.py --stack trl .vc/trl), the environment
+# begin: the carried wheels installed (.vc/trl: python bench/gpu_wheels.py --stack trl [--leave-out openai-agents]
+#   .vc/trl), the environment
 #   (caches and runs under /tmp, NVLink multicast off), the machine's versions and commit in $OUT/env-$MODE.txt, and
 #   its load every 20 s in $OUT/load-$MODE.txt (how many runs a GPU can take is measured, not guessed);
 # end: the sampler stopped, this call's GPU processes ended (stopped runs given time to save first), the warm-start

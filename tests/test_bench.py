@@ -81,9 +81,36 @@ def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole
     assert verl.keys() > trl.keys() and verl["verl"] == metadata.version("verl") and "ray" in verl
     assert verl["transformers"] == metadata.version("transformers") and "torch" not in verl
 
+    # left out with what only it needs: openai-agents' cryptography and mcp; starlette stays (fastapi needs it)
+    lean = {r.split("==")[0] for r in gpu_wheels.pinned("trl", frozenset({"openai-agents"}))}
+    assert lean < trl.keys() and not {"openai-agents", "cryptography", "mcp"} & lean
+    assert {"starlette", "fastapi", "langgraph", "hydra-core"} <= lean
+
     whole = tmp_path / "wheels.tar"
     whole.write_bytes(bytes(range(256)) * 40)  # 10240 bytes
     parts = gpu_wheels.write_parts(whole, tmp_path, 4096)
     assert [p.name for p in parts] == ["part00", "part01", "part02"]
     assert b"".join(p.read_bytes() for p in parts) == whole.read_bytes()
     assert 'cat "$here"/part* | tar' in (tmp_path / "install.sh").read_text()
+
+
+def test_a_spider_study_run_imports_nothing_the_lean_gpu_bundle_leaves_out() -> None:
+    """`gpu_wheels.py --leave-out openai-agents` is safe for the ablation study's runs: composing and building one
+    (agent, reward, data, model, backend) imports neither openai-agents nor what only it needs; agent=med_sql does."""
+    code = (
+        "import sys; from hydra import compose, initialize_config_dir; from jobs.config import build_components\n"
+        "with initialize_config_dir(config_dir=sys.argv[1], version_base=None):\n"
+        "    cfg = compose(config_name='config', overrides=sys.argv[2:])\n"
+        "build_components(cfg)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'agents', 'mcp', 'cryptography', 'jwt'}))"
+    )
+    conf = str(ROOT / "conf")
+    for overrides, loaded in (
+        (["experiment=learn-pool-gpu-ablations", "backend.device=cpu"], "[]"),
+        (["agent=med_sql"], "['agents', "),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-c", code, conf, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip().startswith(loaded), run.stdout
