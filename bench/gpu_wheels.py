@@ -211,4 +211,7 @@ if __name__ == "__main__":
         help="a dependency no run there imports, left out with what only it needs (again for more)",
     )
     args = parser.parse_args()
-    main(args.stack, args.out, args.part_mib, frozenset(canonicalize_name(n) for n in args.leave_out))
+    leave_out = frozenset(canonicalize_name(n) for n in args.leave_out)
+    if unknown := leave_out - closure(STACKS[args.stack][0]).keys():
+        parser.error(f"--leave-out {' '.join(sorted(unknown))}: not a dependency of the {args.stack} stack")
+    main(args.stack, args.out, args.part_mib, leave_out)

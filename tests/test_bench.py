@@ -96,21 +96,41 @@ def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole
 
 def test_a_spider_study_run_imports_nothing_the_lean_gpu_bundle_leaves_out() -> None:
     """`gpu_wheels.py --leave-out openai-agents` is safe for the ablation study's runs: composing and building one
-    (agent, reward, data, model, backend) imports neither openai-agents nor what only it needs; agent=med_sql does."""
+    (agent, reward, data, model, backend) imports no module of a distribution the lean bundle drops (but
+    python_multipart, which starlette imports only if it is there); agent=med_sql does."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    names = [{r.split("==")[0] for r in gpu_wheels.pinned("trl", leave)} for leave in (frozenset(), ("openai-agents",))]
+    dropped = names[0] - names[1]
+    optional = {"python_multipart", "multipart"}  # starlette: try: import python_multipart ... except: None
+    modules = {
+        module
+        for module, dists in metadata.packages_distributions().items()
+        if {canonicalize_name(d) for d in dists} & dropped and module not in optional
+    }
+    assert {"agents", "mcp", "cryptography", "jwt", "jsonschema", "griffe"} <= modules
     code = (
-        "import sys; from hydra import compose, initialize_config_dir; from jobs.config import build_components\n"
+        "import json, sys; from hydra import compose, initialize_config_dir; from jobs.config import build_components\n"
         "with initialize_config_dir(config_dir=sys.argv[1], version_base=None):\n"
-        "    cfg = compose(config_name='config', overrides=sys.argv[2:])\n"
+        "    cfg = compose(config_name='config', overrides=sys.argv[3:])\n"
         "build_components(cfg)\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'agents', 'mcp', 'cryptography', 'jwt'}))"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & set(json.loads(sys.argv[2])))))"
     )
     conf = str(ROOT / "conf")
-    for overrides, loaded in (
-        (["experiment=learn-pool-gpu-ablations", "backend.device=cpu"], "[]"),
-        (["agent=med_sql"], "['agents', "),
+    found = {}
+    for name, overrides in (
+        ("study", ["experiment=learn-pool-gpu-ablations", "backend.device=cpu"]),
+        ("med_sql", ["agent=med_sql"]),
     ):
         run = subprocess.run(
-            [sys.executable, "-c", code, conf, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", code, conf, json.dumps(sorted(modules)), *overrides],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert run.returncode == 0, run.stderr[-2000:]
-        assert run.stdout.strip().startswith(loaded), run.stdout
+        found[name] = set(json.loads(run.stdout.strip().splitlines()[-1]))
+    assert found["study"] == set() and "agents" in found["med_sql"]
