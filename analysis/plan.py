@@ -74,13 +74,13 @@ def components_of(table: pd.DataFrame, declared: Declared, metric: str) -> Compo
     """The variance components of the pilot's paired differences of one comparison; TooFewPairs where its completed
     pairs cannot give them (foundation.stats.variance_components: 2 warm starts or more, one with 2 pairs or more)."""
     differences, clusters = paired_differences(table, declared, metric)
-    warm_starts = len(set(clusters))
-    if warm_starts < 2 or len(differences) <= warm_starts:
+    try:
+        return variance_components(differences, clusters)
+    except ValueError as exc:
         raise TooFewPairs(
-            f"its {len(differences)} completed pairs in {warm_starts} warm starts cannot separate warm starts from "
-            "seeds (that needs 2 warm starts or more, one of them with 2 pairs or more)"
-        )
-    return variance_components(differences, clusters)
+            f"its {len(differences)} completed pairs in {len(set(clusters))} warm starts cannot separate warm starts "
+            "from seeds (that needs 2 warm starts or more, one of them with 2 pairs or more)"
+        ) from exc
 
 
 def plan_lines(name: str, components: Components, mde: float, alpha: float, power: float, scale: float) -> list[str]:
