@@ -43,10 +43,11 @@ case ${MODE:-} in
   cells-b) names="oneturn short nocheck" ;;
   *) echo "unknown MODE=${MODE:-} (pools, cells-a or cells-b)"; exit 2 ;;
 esac
-[[ ${LIMIT:-540} =~ ^[0-9]+$ ]] || { echo "LIMIT=$LIMIT: seconds, a whole number"; exit 2; }
+LIMIT=${LIMIT:-540}
+[[ $LIMIT =~ ^[0-9]+$ ]] || { echo "LIMIT=$LIMIT: seconds, a whole number"; exit 2; }
 source bench/device_call.sh
 device_call_begin
-DEADLINE=$((DEVICE_CALL_START + ${LIMIT:-540}))
+DEADLINE=$((DEVICE_CALL_START + LIMIT))
 
 declare -A CELL=(
   [build]="algorithm.pool_samples=null"  # the baseline cell without its pool: only its warm start, built once
