@@ -102,8 +102,10 @@ def test_a_spider_study_run_imports_nothing_the_lean_gpu_bundle_leaves_out() -> 
 
     from packaging.utils import canonicalize_name
 
-    names = [{r.split("==")[0] for r in gpu_wheels.pinned("trl", leave)} for leave in (frozenset(), ("openai-agents",))]
-    dropped = names[0] - names[1]
+    full, lean = (
+        {r.split("==")[0] for r in gpu_wheels.pinned("trl", x)} for x in (frozenset(), frozenset({"openai-agents"}))
+    )
+    dropped = full - lean
     optional = {"python_multipart", "multipart"}  # starlette: try: import python_multipart ... except: None
     modules = {
         module
