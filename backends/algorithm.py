@@ -51,8 +51,20 @@ class GRPO:
     test_at_end: bool = True  # the final model is scored on the data's test split too (test/*), never before
     pool_samples: int | None = number(None, ge=2)  # train on the tasks the start solves some of N times (None: all)
     async_rollouts: bool = False  # step k+1's rollouts generate during step k's update (one step off-policy)
+    # with async_rollouts: each step's weights load while the batch read ahead still generates (it finishes under
+    # them) and the next batch starts before that one is waited for: two batches in flight
+    partial_rollouts: bool = False
+    # a rollout sampled in part by weights more than this many optimizer steps older than those it trains is
+    # excluded (`stale`); None: no bound
+    max_staleness: int | None = number(1, ge=0)
 
     def __post_init__(self) -> None:
+        if self.partial_rollouts and not self.async_rollouts:
+            raise ValueError("algorithm.partial_rollouts: a batch read ahead that finishes under the next weights; it "
+                             "needs algorithm.async_rollouts=true")  # fmt: skip
+        if self.async_rollouts and self.max_staleness is not None and self.max_staleness < 1:
+            raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.async_rollouts: every batch "
+                             f"read ahead is one step old and would be excluded (set 1 or more, or null)")  # fmt: skip
         if self.batch_size % self.micro_batch_size:
             raise ValueError(
                 f"algorithm.micro_batch_size={self.micro_batch_size} must divide the step's batch of "

@@ -11,7 +11,10 @@ Fail closed: a rollout that cannot be trained on exactly is excluded, for one of
 - `reward_error`: the reward raised, timed out or returned None (missing);
 - `inexact`: a call's messages did not extend the conversation (the agent rewrote or dropped a message, or changed
   `tools`);
-- `overflow`: the rollout went on after its response budget was spent (a call got an empty reply it never sampled).
+- `overflow`: the rollout went on after its response budget was spent (a call got an empty reply it never sampled);
+- `stale`: some of its tokens were sampled by weights older than the step that trains it allows (`oldest_allowed`:
+  the trainer's step less `algorithm.max_staleness`; asynchronous and partial rollouts, whose calls record the
+  weights that sampled them, `CallRecord.weights_version`).
 An excluded rollout's sample is one token with mask 0 and no reward: no gradient, and no part in its group's
 baseline (each backend says how it keeps it out).
 """
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from agent.rollout import Rollout
 from inference.policy_server import CallRecord
 
-EXCLUSION_REASONS = ("agent_error", "reward_error", "inexact", "overflow")
+EXCLUSION_REASONS = ("agent_error", "reward_error", "inexact", "overflow", "stale")
 
 
 @dataclass
@@ -71,10 +74,27 @@ def excluded_sample(reason: str, pad_id: int) -> Sample:
     return Sample([pad_id], [pad_id], [0], [0.0], excluded=reason)
 
 
-def sample_of(rollout: Rollout, calls: list[CallRecord], max_completion_tokens: int, pad_id: int) -> Sample:
-    """The rollout's sample, or an excluded one: the agent's or reward's failure first, then the sequence's."""
+def oldest_weights(calls: list[CallRecord]) -> int | None:
+    """The oldest weights that sampled any of the calls' tokens (`CallRecord.weights_version`: the trainer's
+    optimizer steps then); None when none was sampled."""
+    return min((call.weights_version for call in calls if call.sampled), default=None)
+
+
+def sample_of(
+    rollout: Rollout,
+    calls: list[CallRecord],
+    max_completion_tokens: int,
+    pad_id: int,
+    *,
+    oldest_allowed: int | None = None,
+) -> Sample:
+    """The rollout's sample, or an excluded one: the agent's or reward's failure first, then its staleness (a call
+    sampled by weights older than `oldest_allowed`; None: no bound), then the sequence's."""
     if rollout.failure is not None:
         return excluded_sample(rollout.failure, pad_id)
+    oldest = oldest_weights(calls)
+    if oldest_allowed is not None and oldest is not None and oldest < oldest_allowed:
+        return excluded_sample("stale", pad_id)
     built = flatten(calls, max_completion_tokens)
     return excluded_sample(built, pad_id) if isinstance(built, str) else built
 

@@ -106,6 +106,9 @@ class CallRecord:
     finish_reason: str
     sampled: bool = True  # False: the reply was empty because the rollout's budget was spent; nothing was sampled
     prefilled: int = 0  # prompt tokens the engine computed (0 when nothing was sampled)
+    # the engine's weights when the call was sent (`TokenLedger.weights_version`: the trainer's optimizer steps); a
+    # load while it generates does not change it, so a rollout's oldest call bounds how stale any of its tokens is
+    weights_version: int = 0
 
 
 @dataclass
@@ -137,6 +140,7 @@ class TokenLedger:
         # every sampled call's tokens so far: prompt tokens the engine computed, and tokens it generated
         self.prefilled_tokens = 0
         self.generated_tokens = 0
+        self.weights_version = 0  # the engine's weights as of the last load (the trainer's optimizer steps then)
 
     def open(self, rollout_id: str) -> None:
         """Start `rollout_id` afresh: its next call is a first call."""
@@ -163,6 +167,7 @@ class TokenLedger:
         else:
             budget = self.max_response_tokens if len(prompt_ids) <= self.max_prompt_tokens else 0
         wanted = request.max_completion_tokens or request.max_tokens or self.max_response_tokens
+        version = self.weights_version  # as the call is sent: a load while it generates leaves it the older one
         if budget <= 0:  # the rollout has used its budget: answer at once, as a generation cut by length
             completion, sampled = Completion([], "length", []), False
         else:
@@ -184,6 +189,7 @@ class TokenLedger:
                 completion.finish_reason,
                 sampled,
                 prefilled,
+                version,
             )
         )
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

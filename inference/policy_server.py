@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -180,22 +181,28 @@ class PolicyServer:
         return self.ledger.generated_tokens
 
     # ---- what the trainer uses ---------------------------------------------------------------------------------
-    def load(self, model: PreTrainedModel) -> None:
+    def load(self, model: PreTrainedModel, version: int = 0) -> None:
         """Serve `model` with its current weights (an engine that keeps its own copy gets them now; the caller times
-        it with the gather before it, `timing_s/weight_sync`)."""
+        it with the gather before it, `timing_s/weight_sync`). `version`: the trainer's optimizer steps behind them,
+        what each call sent from now on records (`CallRecord.weights_version`). Where a batch may be generating, the
+        caller holds `lock` over this and over any refresh of the weights it serves."""
         self.batcher.load(model)
+        self.ledger.weights_version = version
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by a batch engine's batch while it generates (`Batcher.lock`)."""
+        return self.batcher.lock
 
     def chat_model(self, rollout_id: str, sampling: dict[str, Any], *, wire: bool = False) -> OpenAIChat:
         """An in-process client whose calls are recorded under `rollout_id` (`rollout_chat`, through this server's
         app)."""
         return rollout_chat(self.ledger, rollout_id, sampling, self.app, wire=wire)
 
-    def active_rollouts(self, count: int) -> AbstractContextManager[None]:
-        """Tell the batcher how many rollouts are running, so it generates as soon as all of them are waiting."""
+    def active_rollouts(self, count: int) -> AbstractContextManager[Callable[[], None]]:
+        """Tell the batcher that `count` more rollouts are running, so it generates as soon as all of them are
+        waiting; yields what each calls once it ends (`Batcher.active_rollouts`)."""
         return self.batcher.active_rollouts(count)
-
-    def rollout_finished(self) -> None:
-        self.batcher.rollout_finished()
 
     def pop_records(self, rollout_id: str) -> list[CallRecord]:
         return self.ledger.pop_records(rollout_id)

@@ -150,13 +150,13 @@ def rollout_samples(tiny, engine) -> list:
     chats = [server.chat_model(f"r{i}", {"temperature": 0.0, "max_tokens": 10}) for i in range(len(questions))]
 
     async def run_all() -> None:
-        with server.active_rollouts(len(chats)):
+        with server.active_rollouts(len(chats)) as finished:
 
             async def one(chat: OpenAIChat, question: str) -> None:
                 try:
                     await two_turns(chat, question)
                 finally:
-                    server.rollout_finished()
+                    finished()
 
             await asyncio.gather(*(one(c, q) for c, q in zip(chats, questions, strict=True)))
 

@@ -66,13 +66,13 @@ def test_concurrent_rollouts_share_one_generate_call_per_turn(tiny) -> None:
     chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(8)]
 
     async def run_all() -> None:
-        with server.active_rollouts(len(chats)):
+        with server.active_rollouts(len(chats)) as finished:
 
             async def one(chat: OpenAIChat) -> None:
                 try:
                     await two_turns(chat)
                 finally:
-                    server.rollout_finished()
+                    finished()
 
             await asyncio.gather(*(one(c) for c in chats))
 
@@ -289,3 +289,28 @@ def test_requests_whose_callers_were_cancelled_are_never_generated_for(tiny) -> 
 
     asyncio.run(run_all())
     assert server.generate_calls == 1 and server.batcher._pending == []
+
+
+def test_two_groups_of_rollouts_on_one_loop_share_one_generate_call_per_turn(tiny) -> None:
+    """A batch read ahead beside the step's own (partial rollouts): a batch starts once every rollout of both groups
+    waits, not once one group's count of them does."""
+    server = server_for(tiny, batch_wait_s=30.0)  # only "every active rollout is waiting" starts a batch: no timing
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(6)]
+
+    async def group(members: list[OpenAIChat]) -> None:
+        with server.active_rollouts(len(members)) as finished:
+
+            async def one(chat: OpenAIChat) -> None:
+                try:
+                    await two_turns(chat)
+                finally:
+                    finished()
+
+            await asyncio.gather(*(one(c) for c in members))
+
+    async def run_all() -> None:
+        await asyncio.gather(group(chats[:2]), group(chats[2:]))
+
+    asyncio.run(run_all())
+    assert server.generate_calls == 2
+    assert server.batcher._active is None  # both groups done: no rollout is waited for

@@ -116,6 +116,8 @@ class GRPOArm:
             offload=ctx.offload,
             memory=ctx.memory,
             asynchronous=overlap,
+            partial=algo.partial_rollouts,
+            max_staleness=algo.max_staleness,
         )
         train_s = 0.0
         if ctx.resume_from is not None:  # the budgets count the training before the restart
@@ -166,6 +168,7 @@ class GRPOArm:
         return {
             "steps": trainer.state.global_step,
             "async_rollouts": ctx.algo.overlapped,
+            "partial_rollouts": ctx.algo.partial_rollouts,
             "prefetch_missed": rollouts.missed,  # async: batches read ahead that no step asked for
             "discarded_in_flight": discarded,
             "wall_s": wall_s,

@@ -18,13 +18,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from agent.rollout import Agent, EvalSummary, Reward, Rollout, evaluate, run_rollouts
 from backends.memory import DeviceMemory
-from backends.samples import EXCLUSION_REASONS, Sample, check_stats, sample_of
+from backends.samples import EXCLUSION_REASONS, Sample, check_stats, oldest_weights, sample_of
 from backends.trl.fsdp import OptimizerOffload
 from foundation.interrupt import stop_requested
 from foundation.ranks import world_size
@@ -41,33 +42,45 @@ def task_prompt(task: dict[str, Any]) -> str:
 
 @dataclass
 class Generated:
-    """A rollout phase's result: the prompts' rollouts and each one's calls, the optimizer steps the weights that
-    sampled them had taken, its wall time, and whether it was generated ahead (during the previous update)."""
+    """A rollout phase's result: the prompts' rollouts and each one's calls, its wall time, and whether it was
+    generated ahead (during the previous update)."""
 
     prompts: list[Any]
     rollouts: list[Rollout]
     records: list[list[CallRecord]]
-    weights_step: int
     wall_s: float
     prefetched: bool
 
 
 @dataclass
 class InFlight:
-    """A batch generating in the background thread: its result or its error once the thread ends."""
+    """A batch generating on the background loop: its result, or its error, once it is done."""
 
     prompts: list[Any]
-    thread: threading.Thread | None = None
-    generated: Generated | None = None
-    error: BaseException | None = None
+    future: Future[Generated]
 
     def wait(self) -> Generated:
-        if self.thread is not None:
-            self.thread.join()
-        if self.error is not None:
-            raise RuntimeError("the rollouts generating in the background failed") from self.error
-        assert self.generated is not None
-        return self.generated
+        try:
+            return self.future.result()
+        except BaseException as exc:
+            raise RuntimeError("the rollouts generating in the background failed") from exc
+
+
+class GenerationLoop:
+    """One event loop, in a thread of its own, for every batch of a run's asynchronous rollouts: two batches in
+    flight at once (partial rollouts) share the batcher's state, which belongs to one loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="async-rollouts", daemon=True)
+        self.thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, Generated]) -> Future[Generated]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def close(self) -> None:
+        """Stop the loop: call once no batch is in flight (or when the run failed: one still generating is dropped)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class AgentRollouts:
@@ -85,7 +98,11 @@ class AgentRollouts:
         offload: OptimizerOffload | None = None,
         memory: DeviceMemory | None = None,
         asynchronous: bool = False,
+        partial: bool = False,
+        max_staleness: int | None = None,
     ) -> None:
+        if partial and not asynchronous:
+            raise ValueError("partial rollouts are asynchronous rollouts whose batch in flight spans a weight load")
         self.agent = agent
         self.reward = reward
         self.server = server
@@ -102,6 +119,11 @@ class AgentRollouts:
         self._counter = 0  # rollouts started on this rank over the run (they are named r0, r1, ...)
         # algorithm.async_rollouts: the next step's batch generates in the background during this step's update
         self.asynchronous = asynchronous
+        # algorithm.partial_rollouts: each step loads its weights while the batch read ahead still generates (its
+        # unfinished rollouts go on under them) and starts the next batch before waiting for that one
+        self.partial = partial
+        self.max_staleness = max_staleness  # a rollout sampled in part by older weights than this is excluded: stale
+        self._loop: GenerationLoop | None = None  # asynchronous: where every batch generates
         self._inflight: InFlight | None = None
         self.missed = 0  # batches read ahead for prompts the step did not ask for (generated again)
 
@@ -109,6 +131,7 @@ class AgentRollouts:
         if self.asynchronous:
             return self._asynchronous(prompts, trainer)
         start = time.perf_counter()  # a sharded model's weights are gathered on every rank, then loaded
+        step = trainer.state.global_step
         if self.memory is not None:
             self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
@@ -117,85 +140,111 @@ class AgentRollouts:
             self._load(trainer)
             weight_sync_s = time.perf_counter() - start
             try:
-                generated = self._generate(prompts, trainer.state.global_step)
+                generated = self._generate(prompts)
             finally:
                 awake_gb = self.memory.sample() if self.memory is not None else 0.0
                 self.server.engine.sleep()  # the update gets the memory an engine with its own weights holds
                 if self.memory is not None:
                     self.memory.engine_slept(awake_gb)
                     self.memory.phase = "update"
-        return self._batch(generated, {"timing_s/rollout": generated.wall_s, "timing_s/weight_sync": weight_sync_s})
+        return self._batch(
+            generated, step, {"timing_s/rollout": generated.wall_s, "timing_s/weight_sync": weight_sync_s}
+        )
 
     def _asynchronous(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """This step's rollouts, generated during the previous step's update where they were read ahead (one step
         off-policy: by the weights before that update); then the next step's start with the weights as they are
         now, in the background, while this step scores and updates. The first step, an epoch's first, and a step
-        whose prompts were not the ones read ahead generate here, on-policy."""
+        whose prompts were not the ones read ahead generate here, on-policy. Partial rollouts: the weights load and
+        the next batch starts first, and the batch read ahead finishes under them (its calls sent from then on are
+        sampled by this step's weights; its oldest calls are still one step behind)."""
         start = time.perf_counter()
         step = trainer.state.global_step  # optimizer steps applied to the trainer's weights so far
         if self.memory is not None:
             self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
-        generated, weight_sync_s = self._take(prompts), 0.0
-        # a load is a collective when the model is sharded: every rank loads when any rank generates here
-        loaded = on_any_rank(generated is None)
-        if loaded:
-            weight_sync_s = self._load(trainer)
-        if generated is None:
-            generated = self._generate(prompts, step)
-        # alike on every rank: the step count, the data, and a stop signal (its step is the last: nothing to read ahead)
-        last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
-        upcoming = None if last else trainer.upcoming_prompts()
-        if upcoming is not None:
-            if not loaded:  # else the weights were just loaded, for this step's own rollouts
-                weight_sync_s = self._load(trainer)
-            self._start(upcoming, step)
+        inflight, self._inflight = self._inflight, None
+        if self.partial:
+            weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
+            upcoming = self._upcoming(trainer, step)
+            if upcoming is not None:
+                self._start(upcoming)
+            generated = self._take(inflight, prompts)
+            if generated is None:  # nothing read ahead for these prompts: generated beside the next batch
+                generated = self._generate(prompts)
         else:
+            generated, weight_sync_s = self._take(inflight, prompts), 0.0
+            # a load is a collective when the model is sharded: every rank loads when any rank generates here
+            loaded = on_any_rank(generated is None)
+            if loaded:
+                weight_sync_s = self._load(trainer)
+            if generated is None:
+                generated = self._generate(prompts)
+            upcoming = self._upcoming(trainer, step)
+            if upcoming is not None:
+                if not loaded:  # else the weights were just loaded, for this step's own rollouts
+                    weight_sync_s = self._load(trainer)
+                self._start(upcoming)
+        if upcoming is None:
             self.server.engine.sleep()  # nothing to generate during this update
         if self.memory is not None:
             self.memory.phase = "update"
         waited = time.perf_counter() - start - weight_sync_s
+        oldest = min((w for calls in generated.records if (w := oldest_weights(calls)) is not None), default=step)
         return self._batch(
             generated,
+            step,
             {
                 "timing_s/rollout": waited,  # what this step spent on its rollouts: waiting, or generating them
                 "timing_s/rollout_generation": generated.wall_s,  # the batch's own time, overlapped or not
                 "timing_s/weight_sync": weight_sync_s,
                 "rollout/prefetched": float(generated.prefetched),
                 "rollout/prefetch_missed": float(self.missed),  # so far: read ahead but not asked for, generated again
-                "rollout/weights_step": float(generated.weights_step),  # the weights that sampled this batch
-                "rollout/staleness": float(step - generated.weights_step),  # optimizer steps since then
+                "rollout/weights_step": float(oldest),  # the oldest weights that sampled any of this batch's calls
+                "rollout/staleness": float(step - oldest),  # optimizer steps since then
             },
         )
 
+    def _upcoming(self, trainer: Any, step: int) -> list[Any] | None:
+        """The next step's prompts where they are read ahead; None in the last step and once a stop signal came
+        (alike on every rank: the step count, the data, and the signal gathered)."""
+        last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
+        return None if last else trainer.upcoming_prompts()
+
     def _load(self, trainer: Any) -> float:
-        """The trainer's weights as they are now into the engine (a collective when sharded); its seconds."""
+        """The trainer's weights as they are now into the engine (a collective when sharded), stamped with its
+        optimizer steps; its seconds. The batcher's lock is held over the copy and the load: a batch read ahead and
+        generating meanwhile (partial rollouts) is generated by one set of weights whole."""
         start = time.perf_counter()
         model = trainer.accelerator.unwrap_model(trainer.model)
-        self.server.load(model if self.weights is None else self.weights.for_generation(model))
+        with self.server.lock:
+            self.server.load(
+                model if self.weights is None else self.weights.for_generation(model), trainer.state.global_step
+            )
         return time.perf_counter() - start
 
-    def _generate(self, prompts: list[Any], weights_step: int, prefetched: bool = False) -> Generated:
+    async def _rollouts(self, prompts: list[Any], prefetched: bool) -> Generated:
         start = time.perf_counter()
         tasks = [json.loads(p) for p in prompts]
-        rollouts, records = run_on_server(
+        rollouts, records = await rollouts_on_server(
             self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
         )
-        return Generated(prompts, rollouts, records, weights_step, time.perf_counter() - start, prefetched)
+        return Generated(prompts, rollouts, records, time.perf_counter() - start, prefetched)
 
-    def _start(self, prompts: list[Any], weights_step: int) -> None:
-        """Generate `prompts` in the background with the engine's current weights (the trainer's at `weights_step`)."""
-        inflight = InFlight(prompts)
+    def _generate(self, prompts: list[Any]) -> Generated:
+        """This step's rollouts, generated now (asynchronous: on the background loop, beside any batch there)."""
+        if not self.asynchronous:
+            return asyncio.run(self._rollouts(prompts, prefetched=False))
+        return self._submit(prompts, prefetched=False).wait()
 
-        def run() -> None:
-            try:
-                inflight.generated = self._generate(prompts, weights_step, prefetched=True)
-            except BaseException as exc:  # re-raised in the training thread, which takes the batch
-                inflight.error = exc
+    def _start(self, prompts: list[Any]) -> None:
+        """Generate `prompts` in the background with the engine's current weights."""
+        self._inflight = self._submit(prompts, prefetched=True)
 
-        inflight.thread = threading.Thread(target=run, name="async-rollouts", daemon=True)
-        inflight.thread.start()
-        self._inflight = inflight
+    def _submit(self, prompts: list[Any], prefetched: bool) -> InFlight:
+        if self._loop is None:
+            self._loop = GenerationLoop()
+        return InFlight(prompts, self._loop.submit(self._rollouts(prompts, prefetched)))
 
     def settle(self) -> None:
         """Wait until the batch in flight (if any) is generated, keeping it: the engine is then free (validation
@@ -203,10 +252,9 @@ class AgentRollouts:
         if self._inflight is not None:
             self._inflight.wait()
 
-    def _take(self, prompts: list[Any]) -> Generated | None:
-        """The batch in flight, when it was generated for `prompts` (waits for it); else None (counted when it was
-        for other prompts)."""
-        inflight, self._inflight = self._inflight, None
+    def _take(self, inflight: InFlight | None, prompts: list[Any]) -> Generated | None:
+        """The batch that was in flight, when it was generated for `prompts` (waits for it); else None (counted when
+        it was for other prompts)."""
         if inflight is None:
             return None
         generated = inflight.wait()
@@ -218,22 +266,26 @@ class AgentRollouts:
 
     def close(self, wait: bool = True) -> int:
         """Drop the batch in flight (training stopped before its step), once it is done (`wait`; else it is left to
-        end with the process: a failing run); 1 when there was one."""
+        end with the process: a failing run), and stop the background loop; 1 when there was a batch."""
         inflight, self._inflight = self._inflight, None
-        if inflight is None:
-            return 0
-        if wait:
+        if inflight is not None and wait:
             with contextlib.suppress(Exception):
                 inflight.wait()
             self.server.engine.sleep()
-        return 1
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        return int(inflight is not None)
 
-    def _batch(self, generated: Generated, timings: dict[str, float]) -> dict[str, Any]:
-        """TRL's batch from the generated rollouts (excluded ones masked) and the step's rollout stats."""
+    def _batch(self, generated: Generated, step: int, timings: dict[str, float]) -> dict[str, Any]:
+        """TRL's batch from the generated rollouts (excluded ones masked) for the trainer's `step` (a rollout sampled
+        in part by weights more than `max_staleness` steps older is excluded) and the step's rollout stats."""
         rollouts, records = generated.rollouts, generated.records
         pad_id = self.server.tokenizer.pad_token_id
+        oldest_allowed = None if self.max_staleness is None else step - self.max_staleness
         samples = [
-            sample_of(r, calls, self.max_completion_tokens, pad_id) for r, calls in zip(rollouts, records, strict=True)
+            sample_of(r, calls, self.max_completion_tokens, pad_id, oldest_allowed=oldest_allowed)
+            for r, calls in zip(rollouts, records, strict=True)
         ]
         n = len(rollouts)
         for rollout, sample in zip(rollouts, samples, strict=True):
@@ -299,7 +351,7 @@ def on_any_rank(flag: bool) -> bool:
     return any(gather_object([flag]))
 
 
-def run_on_server(
+async def rollouts_on_server(
     agent: Agent,
     tasks: list[dict[str, Any]],
     server: PolicyServer,
@@ -311,20 +363,29 @@ def run_on_server(
     """Run all tasks concurrently against `server`; returns the rollouts and each one's recorded calls."""
     ids = new_ids(len(tasks))
     chats = [server.chat_model(rid, sampling) for rid in ids]
-
-    async def go() -> list[Rollout]:
-        with server.active_rollouts(len(tasks)):
-            return await run_rollouts(
-                agent,
-                tasks,
-                lambda i: chats[i],
-                reward,
-                on_finished=lambda _i: server.rollout_finished(),
-                reward_timeout_s=reward_timeout_s,
-            )
-
-    rollouts = asyncio.run(go())
+    with server.active_rollouts(len(tasks)) as finished:
+        rollouts = await run_rollouts(
+            agent,
+            tasks,
+            lambda i: chats[i],
+            reward,
+            on_finished=lambda _i: finished(),
+            reward_timeout_s=reward_timeout_s,
+        )
     return rollouts, [server.pop_records(rid) for rid in ids]
+
+
+def run_on_server(
+    agent: Agent,
+    tasks: list[dict[str, Any]],
+    server: PolicyServer,
+    sampling: dict[str, Any],
+    reward: Reward,
+    new_ids: Callable[[int], list[str]],
+    reward_timeout_s: float | None = None,
+) -> tuple[list[Rollout], list[list[CallRecord]]]:
+    """`rollouts_on_server` on an event loop of its own."""
+    return asyncio.run(rollouts_on_server(agent, tasks, server, sampling, reward, new_ids, reward_timeout_s))
 
 
 def validate_policy(
@@ -343,13 +404,13 @@ def validate_policy(
     chats = [server.chat_model(f"{route}{i}", sampling) for i in range(len(tasks))]
 
     async def go() -> tuple[EvalSummary, list[Rollout]]:
-        with server.active_rollouts(len(tasks)):
+        with server.active_rollouts(len(tasks)) as finished:
             return await evaluate(
                 agent,
                 tasks,
                 lambda i: chats[i],
                 metric,
-                on_finished=lambda _i: server.rollout_finished(),
+                on_finished=lambda _i: finished(),
                 reward_timeout_s=reward_timeout_s,
             )
 
