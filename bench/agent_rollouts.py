@@ -30,6 +30,9 @@ not timed: the last step of a run has nothing generating behind it. Side by side
 
     for a in "" --async; do python bench/agent_rollouts.py --engine vllm --steps 4 $a --out r_vllm$a.json; done
 
+`--async --partial` adds `algorithm.partial_rollouts` (each step loads its weights while the batch read ahead still
+generates and starts the next batch before waiting for it; batch engines only: `--engine static` or `hf`).
+
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
 batch's KV cache, at the measured copy bandwidth, with all rollouts of the step in flight), the GRPO step time and its
@@ -237,6 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             weights=weights if args.asynchronous else None,
             memory=memory,
             asynchronous=args.asynchronous,
+            partial=args.partial,
         )
 
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -306,6 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "finetune": args.finetune,
             "engine": type(engine).__name__,
             "asynchronous": args.asynchronous,
+            "partial": args.partial,
             "per_step": per_step,
             "step_s": timer.steps,
             "median_step_s": statistics.median(steps),
@@ -342,7 +347,7 @@ def table(results: list[dict[str, Any]]) -> str:
         x_roll = f"{base['median_rollout_s'] / r['median_rollout_s']:.1f}" if base else "-"
         x_step = f"{base['median_step_s'] / r['median_step_s']:.1f}" if base else "-"
         peak = f"{r['peak_device_used_gib']:.1f}"
-        engine = r["engine"] + (" (async)" if r.get("asynchronous") else "")
+        engine = r["engine"] + (" (partial)" if r.get("partial") else " (async)" if r.get("asynchronous") else "")
         lines.append(
             f"| {r['shape']} | {engine} | {r['median_rollout_s']:.1f} | {x_roll} "
             f"| {r['median_generated_tokens']:.0f} | {r['rollout_tokens_per_s']:.0f} | {100 * r['bound_share']:.1f} "
@@ -368,6 +373,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async", dest="asynchronous", action="store_true", help="algorithm.async_rollouts")
+    parser.add_argument("--partial", action="store_true", help="algorithm.partial_rollouts (with --async; not vllm)")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, after the bench's own")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")
@@ -376,6 +382,8 @@ def main() -> None:
         results = [json.loads(p.read_text()) for p in args.table]
         print(table([r["result"] for r in results if "result" in r]))
         return
+    if args.partial and (not args.asynchronous or args.engine == "vllm"):
+        parser.error("--partial: with --async, and a batch engine (vLLM refuses a weight load mid-batch)")
 
     import peft
     import transformers
