@@ -31,7 +31,7 @@ not timed: the last step of a run has nothing generating behind it. Side by side
     for a in "" --async; do python bench/agent_rollouts.py --engine vllm --steps 4 $a --out r_vllm$a.json; done
 
 `--async --partial` adds `algorithm.partial_rollouts` (each step loads its weights while the batch read ahead still
-generates and starts the next batch before waiting for it; batch engines only: `--engine static` or `hf`).
+generates and starts the next batch before waiting for it).
 
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
@@ -373,7 +373,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async", dest="asynchronous", action="store_true", help="algorithm.async_rollouts")
-    parser.add_argument("--partial", action="store_true", help="algorithm.partial_rollouts (with --async; not vllm)")
+    parser.add_argument("--partial", action="store_true", help="algorithm.partial_rollouts (with --async)")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, after the bench's own")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")
@@ -382,8 +382,8 @@ def main() -> None:
         results = [json.loads(p.read_text()) for p in args.table]
         print(table([r["result"] for r in results if "result" in r]))
         return
-    if args.partial and (not args.asynchronous or args.engine == "vllm"):
-        parser.error("--partial: with --async, and a batch engine (vLLM refuses a weight load mid-batch)")
+    if args.partial and not args.asynchronous:
+        parser.error("--partial: with --async (partial rollouts are asynchronous ones)")
 
     import peft
     import transformers

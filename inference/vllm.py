@@ -12,6 +12,10 @@
 - Prefix caching: every turn re-sends the conversation and every group shares its task prompt; vLLM's prefix cache
   keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale). A
   completion's `prefilled` is its prompt less the tokens vLLM served from that cache (`num_cached_tokens`).
+- A load while requests are in flight (partial rollouts, `algorithm.partial_rollouts`) runs between two engine steps:
+  the running requests are preempted with the cache (`reset_prefix_cache(reset_running_requests=True)`) and resume
+  under the new weights, their prompt and the tokens sampled so far recomputed; every token keeps the log-prob it was
+  sampled with. That recomputation is not in `prefilled` (as a preempted request's never is).
 - Weights: vLLM starts with dummy weights built from the model's config; `load(model)` copies the trainer's current
   weights in through vLLM's own `load_weights` (the checkpoint's names and its q/k/v, gate/up stacking), before every
   rollout phase (`inference/weights.py`). LoRA: each adapted weight is sent merged, W + B·A·scaling computed into a
@@ -201,13 +205,15 @@ class VLLMEngine:
         self._broken: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.weight_loads = 0
+        self.live_loads = 0  # weight loads with requests in flight (partial rollouts): those resumed under them
         self.steps = 0  # engine steps run (each a decode step of the running batch, with any prefill chunks)
         self.max_running = 0  # the most requests in flight at once
 
     # ---- the engine interface ----------------------------------------------------------------------------------
     def load(self, model: PreTrainedModel) -> None:
-        """Start vLLM (the first time), wake it, and copy `model`'s current weights in."""
-        self._call(lambda: self._load(model))
+        """Start vLLM (the first time), wake it, and copy `model`'s current weights in; requests in flight resume
+        under them (module docstring)."""
+        self._call(lambda: self._load(model), while_running=True)
 
     def sleep(self) -> None:
         """Free vLLM's weights and KV cache for the update (with `settings.sleep`); the next `load` wakes it."""
@@ -279,15 +285,16 @@ class VLLMEngine:
             self._thread.start()
         self._inbox.put(command)
 
-    def _call(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the engine thread and wait for it (weights, sleep: only while no request is in flight)."""
+    def _call(self, fn: Callable[[], None], while_running: bool = False) -> None:
+        """Run `fn` on the engine thread, between two steps, and wait for it (sleep: only while no request is in
+        flight; a weight load, `while_running`, also with requests in flight)."""
         future: Future[None] = Future()
 
         def command() -> None:
             try:
                 if self._broken is not None:
                     raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
-                if self._pending:
+                if self._pending and not while_running:
                     raise RuntimeError(f"{len(self._pending)} requests are still running")
                 fn()
                 future.set_result(None)
@@ -362,8 +369,11 @@ class VLLMEngine:
         if self._asleep:
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = False
-        self._llm.reset_prefix_cache()  # blocks computed with the previous weights
+        # blocks computed with the previous weights; requests in flight are preempted, to be recomputed as they resume
+        if self._llm.reset_prefix_cache(reset_running_requests=bool(self._pending)) is False:
+            raise RuntimeError("vLLM kept blocks computed with the previous weights (its prefix cache reset failed)")
         self.weight_loads += 1
+        self.live_loads += bool(self._pending)
 
     @staticmethod
     def _executor() -> dict[str, Any]:

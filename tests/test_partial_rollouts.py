@@ -28,7 +28,6 @@ from backends.trl.arms import passthrough_reward
 from backends.trl.backend import TRLBackend
 from backends.trl.rollouts import AgentRollouts, Generated, InFlight, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
-from foundation.errors import ConfigError
 from inference.engine import Completion
 from inference.hf import HFGenerate
 from inference.ledger import CallRecord, ChatRequest, TokenLedger
@@ -260,13 +259,3 @@ def test_partial_rollouts_need_asynchronous_ones_and_a_staleness_bound_that_keep
         GRPO(async_rollouts=True, max_staleness=0)
     assert GRPO(async_rollouts=True, partial_rollouts=True).max_staleness == 1
     assert GRPO(async_rollouts=True, max_staleness=None).max_staleness is None
-
-
-def test_partial_rollouts_with_vllm_are_refused_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`generation_engine=auto` on a GPU with vLLM installed resolves to vLLM, whose engine refuses a load mid-batch."""
-    monkeypatch.setattr("backends.trl.backend.resolve_engine", lambda name, device: "vllm")
-    algo = GRPO(async_rollouts=True, partial_rollouts=True)
-    with pytest.raises(ConfigError, match=r"algorithm\.partial_rollouts: vLLM"):
-        TRLBackend().check_settings(ranks=1, algo=algo)
-    monkeypatch.setattr("backends.trl.backend.resolve_engine", lambda name, device: "static")
-    TRLBackend().check_settings(ranks=1, algo=algo)

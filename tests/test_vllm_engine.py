@@ -105,9 +105,13 @@ class FakeLLM:
     def wake_up(self, tags: list[str]) -> None:
         self.events.append(("wake_up", tuple(tags)))
 
-    def reset_prefix_cache(self) -> None:
-        self.events.append(("reset_prefix_cache",))
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: with running requests it succeeds only by preempting them (they resume, recomputed, and go on)."""
+        self.events.append(("reset_prefix_cache", reset_running_requests))
+        if self.running and not reset_running_requests:
+            return False
         self.cached_prompts = []
+        return True
 
 
 def fake_engine(vocab: int = 300, **settings: Any) -> tuple[VLLMEngine, list[FakeLLM]]:
@@ -479,3 +483,35 @@ def test_vllms_engine_process_ends_when_the_trainer_is_killed(tmp_path: Path, na
         starter.kill()
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+
+
+def test_a_load_with_a_request_in_flight_preempts_it_and_it_goes_on_under_the_new_weights(tiny) -> None:
+    """Partial rollouts: the load runs between two engine steps with the request running; the cache reset preempts
+    it (it resumes, recomputed), and its completion holds every token it sampled before the load and after."""
+    model, _ = tiny
+    engine, started = fake_engine(sleep=False)  # asynchronous rollouts keep vLLM awake
+    engine.load(model)
+    fake = started[0]
+    fake.hold_long_until_adds = 2  # the long request cannot end before a second request comes, after the load
+
+    async def go() -> tuple[Any, Any]:
+        long = asyncio.ensure_future(engine.submit([5, 6, 7], 20, temperature=1.0, top_p=1.0, eos_ids=set()))
+        for _ in range(3000):  # until the engine thread runs it (at most 30 s)
+            await asyncio.sleep(0.01)
+            if fake.running:
+                break
+        assert fake.running, "the engine never took the request"
+        await asyncio.to_thread(engine.load, model)
+        short = await engine.submit([1, 2], 3, temperature=1.0, top_p=1.0, eos_ids=set())
+        return await long, short
+
+    long, short = asyncio.run(asyncio.wait_for(go(), timeout=60))
+    assert long.token_ids == [(3 + i) % 300 for i in range(20)] and long.finish_reason == "length"
+    assert long.logprobs == [-0.5 - i / 100 for i in range(20)]
+    assert short.token_ids == [2, 3, 4]
+    events = [e[:2] if e[0] in ("add", "finish", "reset_prefix_cache") else e[:1] for e in fake.events]
+    load = events.index(("load_weights",), events.index(("add", "0")))
+    assert events[load + 1] == ("reset_prefix_cache", True)  # the running request preempted with the cache
+    assert events.index(("finish", "0")) > events.index(("add", "1")) > load
+    assert (engine.weight_loads, engine.live_loads) == (2, 1)
+    engine.close()

@@ -195,10 +195,6 @@ class TRLBackend:
         if algo.overlapped and algo.is_correction == "none":
             raise ConfigError("algorithm.async_rollouts trains one step off-policy: it needs the importance-sampling "
                               "correction (algorithm.is_correction, e.g. token_truncate)")  # fmt: skip
-        if algo.partial_rollouts and resolve_engine(self.generation_engine, self.resolved_device()) == "vllm":
-            raise ConfigError("algorithm.partial_rollouts: vLLM loads weights only with no request in flight (its "
-                              "engine refuses a load mid-batch), so not with backend.generation_engine=vllm yet: "
-                              "set hf or static, or partial_rollouts=false")  # fmt: skip
         if self.vllm_own_process and ranks > 1:
             raise ConfigError(f"backend.vllm_own_process: one rank only for now (vLLM's engine process would take "
                               f"the first GPU on every rank; now {ranks} ranks): set it false")  # fmt: skip
