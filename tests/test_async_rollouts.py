@@ -141,19 +141,23 @@ def test_the_next_batch_generates_during_the_update_one_step_off_policy(tmp_path
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("partial", [False, True])
 def test_an_async_run_on_two_ranks_validates_between_steps_and_says_what_it_read_ahead(
-    cache_dir: Path, tmp_path: Path
+    cache_dir: Path, tmp_path: Path, partial: bool
 ) -> None:
-    """Through launch.py, 2 FSDP2 ranks (gloo): every rank loads the weights at the same points (a collective), the
-    validation waits for the batch in flight (it loads the engine), the summary says what was read ahead."""
+    """Through launch.py, 2 FSDP2 ranks (gloo): every rank loads the weights at the same points (a collective; with
+    partial rollouts, under the batcher's lock while the batch read ahead generates), the validation waits for the
+    batch in flight (it loads the engine), the summary says what was read ahead."""
     run = tmp_path / "run"
     args = [*FAST_RUN, "algorithm.async_rollouts=true", "algorithm.max_steps=3", "resources.gpus_per_node=2"]
+    args.append(f"algorithm.partial_rollouts={str(partial).lower()}")
     result = launch([*args, f"hydra.run.dir={run}"], cache_dir, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["rollouts_per_rank"] == [6, 6]  # 2 tasks x 2 rollouts, 3 steps
     grpo = summary["grpo"]
     assert (grpo["async_rollouts"], grpo["prefetch_missed"], grpo["discarded_in_flight"]) == (True, 0, 0)
+    assert grpo["partial_rollouts"] is partial
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
     assert [m["rollout/staleness"] for m in metrics] == [0.0, 1.0, 1.0]  # the mean over both ranks
     assert [m["rollout/weights_step"] for m in metrics] == [0.0, 0.0, 1.0]
