@@ -75,8 +75,8 @@ def excluded_sample(reason: str, pad_id: int) -> Sample:
 
 
 def oldest_weights(calls: list[CallRecord]) -> int | None:
-    """The oldest weights that sampled any of the calls' tokens (`CallRecord.weights_version`: the trainer's
-    optimizer steps then); None when none was sampled."""
+    """The oldest weights any of the calls was sent to (`CallRecord.weights_version`: the trainer's optimizer steps
+    then; a call's tokens were sampled by those or newer ones); None when none was sampled."""
     return min((call.weights_version for call in calls if call.sampled), default=None)
 
 

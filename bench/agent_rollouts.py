@@ -241,6 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             memory=memory,
             asynchronous=args.asynchronous,
             partial=args.partial,
+            max_staleness=algo.max_staleness,  # as a training run: a rollout staler than that is excluded
         )
 
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:

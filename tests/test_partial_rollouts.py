@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -115,9 +118,9 @@ class Watched(AgentRollouts):
         self.events.append(("start", self._step + 1))
         super()._start(prompts)
 
-    def _take(self, inflight: InFlight | None, prompts: list[Any]) -> Generated | None:
+    def _collect(self, inflight: InFlight) -> Generated:
         self.events.append(("take", self._step))
-        return super()._take(inflight, prompts)
+        return super()._collect(inflight)
 
     def _batch(self, generated: Generated, step: int, timings: dict[str, float]) -> dict[str, Any]:
         batch = super()._batch(generated, step, timings)
@@ -191,7 +194,9 @@ def test_a_batch_read_ahead_finishes_under_the_next_weights_each_token_as_it_was
         assert not isinstance(built, str) and sample == built
         model_logprobs = [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m]
         assert model_logprobs == [lp for call in calls for lp in call.logprobs or []] and len(model_logprobs) > 0
-    assert rollouts.missed == 0 and rollouts.close() == 0
+    loop = rollouts._loop
+    assert loop is not None and rollouts.missed == 0 and rollouts.close() == 0
+    assert not loop.thread.is_alive() and loop.loop.is_closed()  # the rollouts' loop ended with the run
 
 
 def rollout_of(task: str, reward: float) -> Rollout:
@@ -219,6 +224,8 @@ def test_a_rollout_sampled_in_part_by_weights_older_than_the_bound_is_excluded_a
     assert fresh.logprobs == [-0.5, -0.5, 0.0, -0.5]
     assert rollouts.last_stats["rollout/excluded_stale_rate"] == 0.5
     assert rollouts.last_stats["rollout/excluded_rate"] == 0.5
+    # the batch's staleness is its oldest call's, not a batch read ahead's one step
+    assert rollouts.last_stats["rollout/weights_step"] == 3.0 and rollouts.last_stats["rollout/staleness"] == 2.0
 
     unbounded = AgentRollouts(None, None, server, {}, 64, asynchronous=True, max_staleness=None)  # type: ignore[arg-type]
     unbounded._batch(generated, 5, {})
@@ -259,3 +266,25 @@ def test_partial_rollouts_need_asynchronous_ones_and_a_staleness_bound_that_keep
         GRPO(async_rollouts=True, max_staleness=0)
     assert GRPO(async_rollouts=True, partial_rollouts=True).max_staleness == 1
     assert GRPO(async_rollouts=True, max_staleness=None).max_staleness is None
+
+
+def test_a_signal_while_waiting_for_a_batch_goes_through_as_it_is() -> None:
+    """Ctrl-C or a second stop signal while the step waits for a batch is that signal, not the batch failing (a run
+    stopped so is `interrupted` and resumable, not `failed`)."""
+    never: Future[Generated] = Future()  # a batch that does not end (set after WAIT_S, to bound the test)
+    previous = signal.signal(signal.SIGUSR1, signal.default_int_handler)  # raises KeyboardInterrupt
+    interrupt = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
+    bound = threading.Timer(WAIT_S, never.set_result, (None,))
+    interrupt.start(), bound.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            InFlight([], never).wait()
+    finally:
+        interrupt.cancel(), bound.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+
+    failed: Future[Generated] = Future()
+    failed.set_exception(ValueError("the agent broke"))
+    with pytest.raises(RuntimeError, match="in the background failed") as raised:
+        InFlight([], failed).wait()
+    assert isinstance(raised.value.__cause__, ValueError)

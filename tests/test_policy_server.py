@@ -314,3 +314,45 @@ def test_two_groups_of_rollouts_on_one_loop_share_one_generate_call_per_turn(tin
     asyncio.run(run_all())
     assert server.generate_calls == 2
     assert server.batcher._active is None  # both groups done: no rollout is waited for
+
+
+def test_a_group_that_ends_leaves_the_others_rollouts_waited_for(tiny) -> None:
+    """One group's rollouts end (its block exits) while another's still run: the batcher waits for those alone."""
+    server = server_for(tiny, batch_wait_s=30.0)
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(3)]
+    active_after_first_group: list[int | None] = []
+    first_group_done = asyncio.Event()
+
+    async def one_turn() -> None:
+        with server.active_rollouts(1) as finished:
+
+            async def one() -> None:
+                try:
+                    await chats[0].chat([{"role": "user", "content": "Hi"}])
+                finally:
+                    finished()
+
+            await asyncio.gather(one())  # as a task: the other group enters before any call, as in the trainer
+        active_after_first_group.append(server.batcher._active)
+        first_group_done.set()
+
+    async def two_turns_after_it() -> None:
+        with server.active_rollouts(2) as finished:
+
+            async def one(chat: OpenAIChat) -> None:
+                try:
+                    messages = [{"role": "user", "content": "Hi"}]
+                    messages += [{"role": "assistant", "content": await chat.chat(messages)}]
+                    await first_group_done.wait()
+                    await chat.chat([*messages, {"role": "user", "content": "What is in the table?"}])
+                finally:
+                    finished()
+
+            await asyncio.gather(*(one(c) for c in chats[1:]))
+
+    async def run_all() -> None:
+        await asyncio.gather(one_turn(), two_turns_after_it())
+
+    asyncio.run(run_all())
+    assert active_after_first_group == [2]  # the other group's two rollouts, still running
+    assert server.generate_calls == 2 and server.batcher._active is None

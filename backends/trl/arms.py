@@ -154,7 +154,7 @@ class GRPOArm:
             try:
                 trainer.train(resume_from_checkpoint=ctx.resume_from)
             except BaseException:
-                rollouts.close(wait=False)  # a background batch ends with the process (its thread is a daemon)
+                rollouts.close(wait=False)  # a batch in flight stops at its next await; a generate call ends with it
                 raise
         discarded = rollouts.close()  # a batch read ahead for a step that never came (a time or FLOPs budget)
         if (signal_name := stop_requested()) is not None:

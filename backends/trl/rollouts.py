@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from inference.weights import GenerationWeights
 
 log = logging.getLogger(__name__)
 
+LOOP_END_S = 60.0  # the longest `GenerationLoop.close` waits for its thread once the loop is told to stop
+
 
 def task_prompt(task: dict[str, Any]) -> str:
     """The dataset's `prompt` column: the task itself, which the rollout function hands to the agent."""
@@ -42,14 +45,15 @@ def task_prompt(task: dict[str, Any]) -> str:
 
 @dataclass
 class Generated:
-    """A rollout phase's result: the prompts' rollouts and each one's calls, its wall time, and whether it was
-    generated ahead (during the previous update)."""
+    """A rollout phase's result: the prompts' rollouts and each one's calls, its wall time, whether it was generated
+    ahead (during the previous update), and the engine's weights when it started (`PolicyServer.load`'s version)."""
 
     prompts: list[Any]
     rollouts: list[Rollout]
     records: list[list[CallRecord]]
     wall_s: float
     prefetched: bool
+    started_version: int = 0
 
 
 @dataclass
@@ -58,12 +62,15 @@ class InFlight:
 
     prompts: list[Any]
     future: Future[Generated]
+    what: str = "the rollouts generating in the background"
 
     def wait(self) -> Generated:
-        try:
-            return self.future.result()
-        except BaseException as exc:
-            raise RuntimeError("the rollouts generating in the background failed") from exc
+        """The batch once it is done. Only the batch's own failure is raised as one: a signal that ends the wait
+        (an `Interrupted`, Ctrl-C) goes through as it is."""
+        wait_for_futures([self.future])
+        if (error := self.future.exception()) is not None:
+            raise RuntimeError(f"{self.what} failed") from error
+        return self.future.result()
 
 
 class GenerationLoop:
@@ -78,9 +85,19 @@ class GenerationLoop:
     def submit(self, coroutine: Coroutine[Any, Any, Generated]) -> Future[Generated]:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
-    def close(self) -> None:
-        """Stop the loop: call once no batch is in flight (or when the run failed: one still generating is dropped)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the loop. `wait` (no batch in flight): its thread ends and the loop is closed (a call routed to it
+        later is refused, not left hanging); else (the run failed) a batch in flight stops at its next await and the
+        thread is left to end with the process."""
         self.loop.call_soon_threadsafe(self.loop.stop)
+        if not wait:
+            return
+        self.thread.join(timeout=LOOP_END_S)
+        if self.thread.is_alive():
+            log.warning("the rollouts' event loop did not stop within %.0f s; left to end with the process", LOOP_END_S)
+            return
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
 
 
 class AgentRollouts:
@@ -166,14 +183,15 @@ class AgentRollouts:
         inflight, self._inflight = self._inflight, None
         if self.partial:
             weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
+            # this step's batch goes first (nothing read ahead for these prompts: it generates beside the next one)
+            own = self._matching(inflight, prompts) or self._submit(prompts, prefetched=False)
             upcoming = self._upcoming(trainer, step)
             if upcoming is not None:
                 self._start(upcoming)
-            generated = self._take(inflight, prompts)
-            if generated is None:  # nothing read ahead for these prompts: generated beside the next batch
-                generated = self._generate(prompts)
+            generated = self._collect(own)
         else:
-            generated, weight_sync_s = self._take(inflight, prompts), 0.0
+            own = self._matching(inflight, prompts)
+            generated, weight_sync_s = (None if own is None else self._collect(own)), 0.0
             # a load is a collective when the model is sharded: every rank loads when any rank generates here
             loaded = on_any_rank(generated is None)
             if loaded:
@@ -190,18 +208,16 @@ class AgentRollouts:
         if self.memory is not None:
             self.memory.phase = "update"
         waited = time.perf_counter() - start - weight_sync_s
-        oldest = min((w for calls in generated.records if (w := oldest_weights(calls)) is not None), default=step)
         return self._batch(
             generated,
             step,
             {
-                "timing_s/rollout": waited,  # what this step spent on its rollouts: waiting, or generating them
+                # what this step spent on its rollouts: waiting (for the batcher's lock too), or generating them
+                "timing_s/rollout": waited,
                 "timing_s/rollout_generation": generated.wall_s,  # the batch's own time, overlapped or not
                 "timing_s/weight_sync": weight_sync_s,
                 "rollout/prefetched": float(generated.prefetched),
                 "rollout/prefetch_missed": float(self.missed),  # so far: read ahead but not asked for, generated again
-                "rollout/weights_step": float(oldest),  # the oldest weights that sampled any of this batch's calls
-                "rollout/staleness": float(step - oldest),  # optimizer steps since then
             },
         )
 
@@ -215,27 +231,27 @@ class AgentRollouts:
         """The trainer's weights as they are now into the engine (a collective when sharded), stamped with its
         optimizer steps; its seconds. The batcher's lock is held over the copy and the load: a batch read ahead and
         generating meanwhile (partial rollouts) is generated by one set of weights whole."""
-        start = time.perf_counter()
         model = trainer.accelerator.unwrap_model(trainer.model)
-        with self.server.lock:
+        with self.server.lock:  # the wait for it is not the load's: a batch generating (timing_s/rollout)
+            start = time.perf_counter()
             self.server.load(
                 model if self.weights is None else self.weights.for_generation(model), trainer.state.global_step
             )
         return time.perf_counter() - start
 
     async def _rollouts(self, prompts: list[Any], prefetched: bool) -> Generated:
-        start = time.perf_counter()
+        start, version = time.perf_counter(), self.server.ledger.weights_version
         tasks = [json.loads(p) for p in prompts]
         rollouts, records = await rollouts_on_server(
             self.agent, tasks, self.server, self.sampling, self.reward, self._next_ids, self.reward_timeout_s
         )
-        return Generated(prompts, rollouts, records, time.perf_counter() - start, prefetched)
+        return Generated(prompts, rollouts, records, time.perf_counter() - start, prefetched, version)
 
     def _generate(self, prompts: list[Any]) -> Generated:
         """This step's rollouts, generated now (asynchronous: on the background loop, beside any batch there)."""
         if not self.asynchronous:
             return asyncio.run(self._rollouts(prompts, prefetched=False))
-        return self._submit(prompts, prefetched=False).wait()
+        return self._collect(self._submit(prompts, prefetched=False))
 
     def _start(self, prompts: list[Any]) -> None:
         """Generate `prompts` in the background with the engine's current weights."""
@@ -244,7 +260,12 @@ class AgentRollouts:
     def _submit(self, prompts: list[Any], prefetched: bool) -> InFlight:
         if self._loop is None:
             self._loop = GenerationLoop()
-        return InFlight(prompts, self._loop.submit(self._rollouts(prompts, prefetched)))
+        what = "the rollouts generating in the background" if prefetched else "this step's rollouts"
+        return InFlight(prompts, self._loop.submit(self._rollouts(prompts, prefetched)), what)
+
+    def _collect(self, inflight: InFlight) -> Generated:
+        """A batch on the background loop, once it is done."""
+        return inflight.wait()
 
     def settle(self) -> None:
         """Wait until the batch in flight (if any) is generated, keeping it: the engine is then free (validation
@@ -252,17 +273,15 @@ class AgentRollouts:
         if self._inflight is not None:
             self._inflight.wait()
 
-    def _take(self, inflight: InFlight | None, prompts: list[Any]) -> Generated | None:
-        """The batch that was in flight, when it was generated for `prompts` (waits for it); else None (counted when
-        it was for other prompts)."""
-        if inflight is None:
-            return None
-        generated = inflight.wait()
-        if generated.prompts != prompts:
-            self.missed += 1
-            log.warning("the rollouts read ahead were for other prompts than this step's: generated again")
-            return None
-        return generated
+    def _matching(self, inflight: InFlight | None, prompts: list[Any]) -> InFlight | None:
+        """The batch that was in flight, when it was read ahead for `prompts`; else None (one for other prompts is
+        counted, and waited for: never trained on)."""
+        if inflight is None or inflight.prompts == prompts:
+            return inflight
+        self.missed += 1
+        log.warning("the rollouts read ahead were for other prompts than this step's: generated again")
+        inflight.wait()
+        return None
 
     def close(self, wait: bool = True) -> int:
         """Drop the batch in flight (training stopped before its step), once it is done (`wait`; else it is left to
@@ -273,7 +292,7 @@ class AgentRollouts:
                 inflight.wait()
             self.server.engine.sleep()
         if self._loop is not None:
-            self._loop.close()
+            self._loop.close(wait)
             self._loop = None
         return int(inflight is not None)
 
@@ -281,6 +300,14 @@ class AgentRollouts:
         """TRL's batch from the generated rollouts (excluded ones masked) for the trainer's `step` (a rollout sampled
         in part by weights more than `max_staleness` steps older is excluded) and the step's rollout stats."""
         rollouts, records = generated.rollouts, generated.records
+        if self.asynchronous:  # the oldest weights any of the batch's calls was sent to (none sent: the batch's start)
+            oldest = min((w for calls in records if (w := oldest_weights(calls)) is not None), default=None)
+            oldest = generated.started_version if oldest is None else oldest
+            timings = {
+                **timings,
+                "rollout/weights_step": float(oldest),
+                "rollout/staleness": float(step - oldest),  # optimizer steps since then
+            }
         pad_id = self.server.tokenizer.pad_token_id
         oldest_allowed = None if self.max_staleness is None else step - self.max_staleness
         samples = [
