@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer = train_tokenizer([m["content"] for conv in first for m in conv], 2048, template=template)
         prompt_tokens = [len(tokenizer.apply_chat_template(m, add_generation_prompt=True)["input_ids"]) for m in first]
         model = random_model(shape, args.device)
-        engine = backend.engine(algo.max_prompt_length + algo.max_response_length)
+        engine = backend.engine(algo.max_prompt_length + algo.max_response_length, live_loads=args.partial)
         server = bench_server_class()(
             model,
             tokenizer,

@@ -12,10 +12,13 @@
 - Prefix caching: every turn re-sends the conversation and every group shares its task prompt; vLLM's prefix cache
   keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale). A
   completion's `prefilled` is its prompt less the tokens vLLM served from that cache (`num_cached_tokens`).
-- A load while requests are in flight (partial rollouts, `algorithm.partial_rollouts`) runs between two engine steps:
-  the running requests are preempted with the cache (`reset_prefix_cache(reset_running_requests=True)`) and resume
-  under the new weights, their prompt and the tokens sampled so far recomputed; every token keeps the log-prob it was
-  sampled with. That recomputation is not in `prefilled` (as a preempted request's never is).
+- With `live_loads` (partial rollouts, `algorithm.partial_rollouts`; this process's engine only) a load may come
+  while requests are in flight: it runs on the engine thread between two engine steps, and the running requests are
+  preempted with the cache (`reset_prefix_cache(reset_running_requests=True)`) and resume under the new weights,
+  their prompt and the tokens sampled so far recomputed; every token keeps the log-prob it was sampled with. vLLM's
+  asynchronous scheduling is then off: in vLLM 0.20.2 that preemption drops the next token of a request that had
+  none in flight while the model still reads it (vllm-project/vllm#42043). The recomputation is mostly not in
+  `prefilled` (a preempted request's is not). Without `live_loads` a load with requests in flight is refused.
 - Weights: vLLM starts with dummy weights built from the model's config; `load(model)` copies the trainer's current
   weights in through vLLM's own `load_weights` (the checkpoint's names and its q/k/v, gate/up stacking), before every
   rollout phase (`inference/weights.py`). LoRA: each adapted weight is sent merged, W + B·A·scaling computed into a
@@ -104,6 +107,7 @@ class VLLMSettings:
     max_num_batched_tokens: int = 8192  # tokens per engine step (prefill chunks + decodes)
     seed: int = 0
     dtype: torch.dtype | None = None  # the weights' dtype in vLLM (None: the model's; FSDP2 trains fp32 masters)
+    live_loads: bool = False  # a load may come with requests in flight (partial rollouts; module docstring)
 
 
 @dataclass
@@ -146,6 +150,8 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings, executor: Callabl
         logprobs_mode="processed_logprobs",
         generation_config="vllm",
         seed=settings.seed,
+        # vLLM's own default (on where its executor allows it) unless loads come mid-batch (module docstring)
+        **({"async_scheduling": False} if settings.live_loads else {}),
     )
 
 
@@ -193,6 +199,8 @@ class VLLMEngine:
                 f"VLLMSettings.own_process={settings.own_process}: build it with vllm_engine(settings), "
                 f"not {type(self).__name__}"
             )
+        if settings.live_loads and settings.own_process:  # its engine process steps on between a load's calls
+            raise ValueError("VLLMSettings.live_loads: this process's engine only (own_process=False)")
         self.settings = settings
         # builds the LLM (the tests pass a fake one)
         self._start = start or functools.partial(_start_llm, executor=self._executor)
@@ -211,9 +219,9 @@ class VLLMEngine:
 
     # ---- the engine interface ----------------------------------------------------------------------------------
     def load(self, model: PreTrainedModel) -> None:
-        """Start vLLM (the first time), wake it, and copy `model`'s current weights in; requests in flight resume
-        under them (module docstring)."""
-        self._call(lambda: self._load(model), while_running=True)
+        """Start vLLM (the first time), wake it, and copy `model`'s current weights in; with `live_loads`, requests
+        in flight resume under them (module docstring)."""
+        self._call(lambda: self._load(model), while_running=self.settings.live_loads)
 
     def sleep(self) -> None:
         """Free vLLM's weights and KV cache for the update (with `settings.sleep`); the next `load` wakes it."""

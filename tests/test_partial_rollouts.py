@@ -29,8 +29,9 @@ from backends.algorithm import GRPO
 from backends.samples import flatten
 from backends.trl.arms import passthrough_reward
 from backends.trl.backend import TRLBackend
-from backends.trl.rollouts import AgentRollouts, Generated, InFlight, task_prompt
+from backends.trl.rollouts import AgentRollouts, Generated, GenerationLoop, InFlight, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
+from foundation.errors import ConfigError
 from inference.engine import Completion
 from inference.hf import HFGenerate
 from inference.ledger import CallRecord, ChatRequest, TokenLedger
@@ -115,8 +116,11 @@ class Watched(AgentRollouts):
     def _start(self, prompts: list[Any]) -> None:
         for prompt in prompts:
             self.agent.expect[json.loads(prompt)["id"]] = self._step + 1
-        self.events.append(("start", self._step + 1))
         super()._start(prompts)
+
+    def _submit(self, prompts: list[Any], prefetched: bool) -> InFlight:
+        self.events.append(("submit", self._step + prefetched))  # the step the batch is for
+        return super()._submit(prompts, prefetched)
 
     def _collect(self, inflight: InFlight) -> Generated:
         self.events.append(("take", self._step))
@@ -169,10 +173,11 @@ def test_a_batch_read_ahead_finishes_under_the_next_weights_each_token_as_it_was
     trainer.train()
     assert trainer.state.global_step == STEPS
 
-    # each step loads its weights and starts the next batch before it waits for its own (the last starts none)
-    expected = [("load", 0), ("start", 1), ("take", 0)]
+    # each step loads its weights and starts the next batch before it waits for its own (the last starts none); the
+    # first step's own batch goes first, so the rollouts are numbered in the order of the steps they are for
+    expected = [("load", 0), ("submit", 0), ("submit", 1), ("take", 0)]
     for step in range(1, STEPS - 1):
-        expected += [("load", step), ("start", step + 1), ("take", step)]
+        expected += [("load", step), ("submit", step + 1), ("take", step)]
     assert rollouts.events == [*expected, ("load", STEPS - 1), ("take", STEPS - 1)]
     # every rollout read ahead was unfinished when its step's weights loaded: its second call came after
     assert agent.came == [True] * (STEPS - 1) * TASKS_PER_STEP * GROUP
@@ -185,6 +190,7 @@ def test_a_batch_read_ahead_finishes_under_the_next_weights_each_token_as_it_was
         # the first step's own batch on-policy; each later one began under the previous step's weights and
         # finished under its own: one step stale at most, within the bound, so trained
         assert versions == ([[0, 0]] if step == 0 else [[step - 1, step]]) * TASKS_PER_STEP * GROUP
+        assert generated.started_version == max(step - 1, 0)  # the weights loaded when the batch began
         assert stats["rollout/staleness"] == min(step, 1) and stats["rollout/weights_step"] == max(step - 1, 0)
         assert stats["rollout/prefetched"] == float(step > 0) and stats["rollout/excluded_rate"] == 0.0
     # token-exact: the trained sample is the sampled calls' tokens, each with the log-prob it was sampled with
@@ -275,9 +281,9 @@ def test_a_signal_while_waiting_for_a_batch_goes_through_as_it_is() -> None:
     previous = signal.signal(signal.SIGUSR1, signal.default_int_handler)  # raises KeyboardInterrupt
     interrupt = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
     bound = threading.Timer(WAIT_S, never.set_result, (None,))
-    interrupt.start(), bound.start()
     try:
         with pytest.raises(KeyboardInterrupt):
+            interrupt.start(), bound.start()
             InFlight([], never).wait()
     finally:
         interrupt.cancel(), bound.cancel()
@@ -288,3 +294,45 @@ def test_a_signal_while_waiting_for_a_batch_goes_through_as_it_is() -> None:
     with pytest.raises(RuntimeError, match="in the background failed") as raised:
         InFlight([], failed).wait()
     assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_a_batch_with_no_call_sent_is_as_stale_as_the_weights_it_started_under() -> None:
+    server = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    rollouts = AgentRollouts(None, None, server, {}, 64, asynchronous=True, max_staleness=1)  # type: ignore[arg-type]
+    failed = Rollout({"id": "a"}, Trajectory(error="the agent broke"), None, "the agent broke", "agent_error")
+    rollouts._batch(Generated(["a"], [failed], [[]], 1.0, True, started_version=4), 5, {})
+    assert rollouts.last_stats["rollout/weights_step"] == 4.0 and rollouts.last_stats["rollout/staleness"] == 1.0
+    assert rollouts.last_samples[0].excluded == "agent_error"
+
+
+def test_a_batch_read_ahead_for_other_prompts_is_waited_for_never_trained_and_its_failure_only_logged() -> None:
+    server = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    rollouts = AgentRollouts(None, None, server, {}, 64, asynchronous=True)  # type: ignore[arg-type]
+    pending: Future[Generated] = Future()
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (rollouts._matching(InFlight(["b"], pending), ["a"]), returned.set()))
+    waiter.start()
+    assert not returned.wait(0.2)  # still generating: not left to generate beside this step's batch
+    pending.set_exception(ValueError("the agent broke"))
+    assert returned.wait(WAIT_S) and rollouts.missed == 1  # its failure is not this step's
+    waiter.join(WAIT_S)
+    done: Future[Generated] = Future()
+    done.set_result(Generated(["a"], [], [], 1.0, True))
+    assert rollouts._matching(InFlight(["a"], done), ["a"]) is not None and rollouts.missed == 1
+
+
+def test_a_failing_run_stops_the_rollouts_loop_without_waiting_for_its_batch() -> None:
+    server = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    rollouts = AgentRollouts(None, None, server, {}, 64, asynchronous=True)  # type: ignore[arg-type]
+    loop = GenerationLoop()
+    rollouts._loop, rollouts._inflight = loop, InFlight(["a"], loop.submit(asyncio.sleep(3600)))  # type: ignore[arg-type]
+    assert rollouts.close(wait=False) == 1  # returns at once: the batch is not waited for
+    loop.thread.join(WAIT_S)
+    assert not loop.thread.is_alive()  # the loop stopped, and its thread ended
+
+
+def test_partial_rollouts_with_vllm_in_its_own_process_are_refused() -> None:
+    """Its engine process goes on sampling between the calls that load the weights."""
+    with pytest.raises(ConfigError, match=r"algorithm\.partial_rollouts: not with backend\.vllm_own_process"):
+        TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True, partial_rollouts=True))
+    TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True))

@@ -356,3 +356,43 @@ def test_a_group_that_ends_leaves_the_others_rollouts_waited_for(tiny) -> None:
     asyncio.run(run_all())
     assert active_after_first_group == [2]  # the other group's two rollouts, still running
     assert server.generate_calls == 2 and server.batcher._active is None
+
+
+def test_a_group_that_ends_with_rollouts_unreported_stops_counting_them(tiny) -> None:
+    """A group whose block ends before all its rollouts said they ended (two announced, one ran): the batcher no
+    longer waits for the missing one, only for the other group's."""
+    server = server_for(tiny)
+    chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(2)]
+    active_after_first_group: list[int | None] = []
+    first_group_done = asyncio.Event()
+
+    async def announced_two_ran_one() -> None:
+        with server.active_rollouts(2) as finished:
+
+            async def one() -> None:
+                try:
+                    await chats[0].chat([{"role": "user", "content": "Hi"}])
+                finally:
+                    finished()
+
+            await asyncio.gather(one())
+        active_after_first_group.append(server.batcher._active)
+        first_group_done.set()
+
+    async def after_it() -> None:
+        with server.active_rollouts(1) as finished:
+
+            async def one() -> None:
+                try:
+                    await first_group_done.wait()
+                    await chats[1].chat([{"role": "user", "content": "Hi"}])
+                finally:
+                    finished()
+
+            await asyncio.gather(one())
+
+    async def run_all() -> None:
+        await asyncio.gather(announced_two_ran_one(), after_it())
+
+    asyncio.run(run_all())
+    assert active_after_first_group == [1]  # the other group's rollout alone

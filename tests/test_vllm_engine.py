@@ -7,6 +7,7 @@ the config's errors name the key and the extra. vLLM's own behaviour is checked 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +22,7 @@ from backends.samples import flatten
 from foundation.errors import ConfigError
 from inference import make_engine, resolve_engine
 from inference.policy_server import PolicyServer
-from inference.vllm import VLLMEngine, VLLMSettings, vllm_engine
+from inference.vllm import VLLMEngine, VLLMSettings, _start_llm, vllm_engine
 from inference.weights import full_weights
 from jobs.config import build_components
 from tests.conftest import micro_tiny
@@ -53,6 +54,7 @@ class FakeLLM:
         self.cached_prompts: list[list[int]] = []
         self.cached: dict[str, int] = {}  # by request id: the prompt tokens it found in the prefix cache
         self.hold_long_until_adds = 0  # a request of over 10 tokens does not end before this many requests came
+        self.threads: set[str] = set()  # the threads that stepped it or loaded weights into it
         self.llm_engine = self
         model = SimpleNamespace(load_weights=self._load_weights)
         self.model_executor = SimpleNamespace(
@@ -62,6 +64,7 @@ class FakeLLM:
     def _load_weights(self, weights: Any) -> None:
         self.loaded = [name for name, _ in weights]
         self.events.append(("load_weights",))
+        self.threads.add(threading.current_thread().name)  # the engine thread's, between two steps
 
     def add_request(self, request_id: str, prompt: dict[str, list[int]], params: Any) -> None:
         self.events.append(("add", request_id, self.step_no))
@@ -77,6 +80,7 @@ class FakeLLM:
             self.running.pop(request_id, None)
 
     def step(self) -> list[Any]:
+        self.threads.add(threading.current_thread().name)
         self.step_no += 1
         self.batch_sizes.append(len(self.running))
         finished = []
@@ -485,14 +489,9 @@ def test_vllms_engine_process_ends_when_the_trainer_is_killed(tmp_path: Path, na
             child.kill()
 
 
-def test_a_load_with_a_request_in_flight_preempts_it_and_it_goes_on_under_the_new_weights(tiny) -> None:
-    """Partial rollouts: the load runs between two engine steps with the request running; the cache reset preempts
-    it (it resumes, recomputed), and its completion holds every token it sampled before the load and after."""
-    model, _ = tiny
-    engine, started = fake_engine(sleep=False)  # asynchronous rollouts keep vLLM awake
-    engine.load(model)
-    fake = started[0]
-    fake.hold_long_until_adds = 2  # the long request cannot end before a second request comes, after the load
+def long_request_in_flight(engine: VLLMEngine, fake: FakeLLM, between: Any) -> tuple[Any, Any]:
+    """A 20-token request that cannot end before a second request comes; `between()` runs (in a worker thread) once
+    the engine runs it, then the second request is sent. Both completions."""
 
     async def go() -> tuple[Any, Any]:
         long = asyncio.ensure_future(engine.submit([5, 6, 7], 20, temperature=1.0, top_p=1.0, eos_ids=set()))
@@ -501,11 +500,23 @@ def test_a_load_with_a_request_in_flight_preempts_it_and_it_goes_on_under_the_ne
             if fake.running:
                 break
         assert fake.running, "the engine never took the request"
-        await asyncio.to_thread(engine.load, model)
+        await asyncio.to_thread(between)
         short = await engine.submit([1, 2], 3, temperature=1.0, top_p=1.0, eos_ids=set())
         return await long, short
 
-    long, short = asyncio.run(asyncio.wait_for(go(), timeout=60))
+    fake.hold_long_until_adds = 2
+    return asyncio.run(asyncio.wait_for(go(), timeout=60))
+
+
+def test_a_load_with_a_request_in_flight_preempts_it_and_it_goes_on_under_the_new_weights(tiny) -> None:
+    """Partial rollouts (`live_loads`): the load runs on the engine thread between two steps with the request
+    running; the cache reset preempts it (it resumes, recomputed), and its completion holds every token it sampled
+    before the load and after."""
+    model, _ = tiny
+    engine, started = fake_engine(sleep=False, live_loads=True)  # asynchronous rollouts keep vLLM awake
+    engine.load(model)
+    fake = started[0]
+    long, short = long_request_in_flight(engine, fake, lambda: engine.load(model))
     assert long.token_ids == [(3 + i) % 300 for i in range(20)] and long.finish_reason == "length"
     assert long.logprobs == [-0.5 - i / 100 for i in range(20)]
     assert short.token_ids == [2, 3, 4]
@@ -514,4 +525,45 @@ def test_a_load_with_a_request_in_flight_preempts_it_and_it_goes_on_under_the_ne
     assert events[load + 1] == ("reset_prefix_cache", True)  # the running request preempted with the cache
     assert events.index(("finish", "0")) > events.index(("add", "1")) > load
     assert (engine.weight_loads, engine.live_loads) == (2, 1)
+    assert fake.threads == {"vllm-engine"}  # loads and steps on one thread: never a load during a step
     engine.close()
+
+
+def test_without_live_loads_a_load_with_a_request_in_flight_is_refused_and_the_request_goes_on(tiny) -> None:
+    model, _ = tiny
+    engine, started = fake_engine(sleep=False)
+    engine.load(model)
+    refused: list[str] = []
+
+    def load() -> None:
+        with pytest.raises(RuntimeError, match="1 requests are still running") as raised:
+            engine.load(model)
+        refused.append(str(raised.value))
+
+    long, _ = long_request_in_flight(engine, started[0], load)
+    assert len(refused) == 1 and len(long.token_ids) == 20 and engine.weight_loads == 1
+    engine.close()
+
+
+def test_a_failed_cache_reset_fails_the_load(tiny) -> None:
+    """vLLM's reset returns False when it kept blocks: generating from them after new weights would be wrong."""
+    model, _ = tiny
+    engine, started = fake_engine()
+    engine.load(model)
+    started[0].reset_prefix_cache = lambda reset_running_requests=False: False  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="prefix cache reset failed"):
+        engine.load(model)
+    engine.close()
+
+
+def test_live_loads_turn_vllms_asynchronous_scheduling_off(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.20.2's preemption at a cache reset drops a token of a request without one in flight under its
+    asynchronous scheduling (vllm-project/vllm#42043): off with live loads, vLLM's own default otherwise."""
+    model, _ = tiny
+    built: list[dict[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs)))
+    for live in (True, False):
+        _start_llm(model, VLLMSettings(max_model_len=64, live_loads=live), executor=dict)
+    assert built[0]["async_scheduling"] is False and "async_scheduling" not in built[1]
+    with pytest.raises(ValueError, match="live_loads"):
+        vllm_engine(VLLMSettings(max_model_len=64, live_loads=True, own_process=True))

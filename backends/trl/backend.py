@@ -75,9 +75,9 @@ class TRLBackend:
             except RuntimeError as exc:
                 raise ConfigError(f"backend.generation_engine=vllm: {exc}") from exc
 
-    def engine(self, max_model_len: int, dtype: torch.dtype | None = None) -> Engine:
+    def engine(self, max_model_len: int, dtype: torch.dtype | None = None, live_loads: bool = False) -> Engine:
         """One engine for the run (its cache, graphs or vLLM serve training and validation alike); `dtype`: the
-        weights' in vLLM (None: the model's)."""
+        weights' in vLLM (None: the model's); `live_loads`: loads come with requests in flight (partial rollouts)."""
         if self._engine is None:
             self._engine = make_engine(
                 self.generation_engine,
@@ -93,6 +93,7 @@ class TRLBackend:
                     enforce_eager=self.vllm_enforce_eager,
                     own_process=self.vllm_own_process,
                     dtype=dtype,
+                    live_loads=live_loads,
                 ),
             )
         return self._engine
@@ -195,6 +196,10 @@ class TRLBackend:
         if algo.overlapped and algo.is_correction == "none":
             raise ConfigError("algorithm.async_rollouts trains one step off-policy: it needs the importance-sampling "
                               "correction (algorithm.is_correction, e.g. token_truncate)")  # fmt: skip
+        if algo.partial_rollouts and self.vllm_own_process:
+            raise ConfigError("algorithm.partial_rollouts: not with backend.vllm_own_process=true (vLLM's engine "
+                              "process would go on sampling between the calls that load the weights): set it "
+                              "false")  # fmt: skip
         if self.vllm_own_process and ranks > 1:
             raise ConfigError(f"backend.vllm_own_process: one rank only for now (vLLM's engine process would take "
                               f"the first GPU on every rank; now {ranks} ranks): set it false")  # fmt: skip
@@ -247,7 +252,9 @@ class TRLBackend:
             max_response_tokens=algo.max_response_length,
             batch_wait_s=self.batch_wait_s,
             engine=self.engine(
-                algo.max_prompt_length + algo.max_response_length, setup.model.compute_dtype(self.resolved_device())
+                algo.max_prompt_length + algo.max_response_length,
+                setup.model.compute_dtype(self.resolved_device()),
+                live_loads=algo.partial_rollouts,
             ),
             chat_format=setup.model.chat_format(tokenizer),
         )

@@ -275,12 +275,16 @@ class AgentRollouts:
 
     def _matching(self, inflight: InFlight | None, prompts: list[Any]) -> InFlight | None:
         """The batch that was in flight, when it was read ahead for `prompts`; else None (one for other prompts is
-        counted, and waited for: never trained on)."""
+        counted, waited for so that it is not generating beside this step's, and never trained on: its failure is
+        only logged)."""
         if inflight is None or inflight.prompts == prompts:
             return inflight
         self.missed += 1
         log.warning("the rollouts read ahead were for other prompts than this step's: generated again")
-        inflight.wait()
+        try:
+            inflight.wait()
+        except RuntimeError as exc:
+            log.warning("the rollouts read ahead for other prompts failed (never trained on): %r", exc.__cause__)
         return None
 
     def close(self, wait: bool = True) -> int:
