@@ -139,7 +139,8 @@ class AgentRollouts:
         # algorithm.partial_rollouts: each step loads its weights while the batch read ahead still generates (its
         # unfinished rollouts go on under them) and starts the next batch before waiting for that one
         self.partial = partial
-        self.max_staleness = max_staleness  # a rollout sampled in part by older weights than this is excluded: stale
+        # a rollout with a call sent to weights more than this many optimizer steps old is excluded (stale); None: none
+        self.max_staleness = max_staleness
         self._loop: GenerationLoop | None = None  # asynchronous: where every batch generates
         self._inflight: InFlight | None = None
         self.missed = 0  # batches read ahead for prompts the step did not ask for (generated again)
@@ -288,8 +289,8 @@ class AgentRollouts:
         return None
 
     def close(self, wait: bool = True) -> int:
-        """Drop the batch in flight (training stopped before its step), once it is done (`wait`; else it is left to
-        end with the process: a failing run), and stop the background loop; 1 when there was a batch."""
+        """Drop the batch in flight (training stopped before its step), once it is done (`wait`; else, a failing run,
+        it stops with the loop at its next await), and stop the background loop; 1 when there was a batch."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None and wait:
             with contextlib.suppress(Exception):
