@@ -336,3 +336,40 @@ def test_partial_rollouts_with_vllm_in_its_own_process_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"algorithm\.partial_rollouts: not with backend\.vllm_own_process"):
         TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True, partial_rollouts=True))
     TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True))
+
+
+class ArrivalLock:
+    """A lock that says when someone arrived to take it (before they wait for it)."""
+
+    def __init__(self) -> None:
+        self.lock, self.arrived = threading.Lock(), threading.Event()
+
+    def __enter__(self) -> None:
+        self.arrived.set()
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def test_the_wait_for_a_batch_generating_is_not_counted_as_the_weight_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`timing_s/weight_sync` is the load's own time; waiting for the batcher's lock (a batch engine generating) is
+    the step waiting for its rollouts. The clock moves only while the lock is held by the batch."""
+    clock = [0.0]
+    monkeypatch.setattr("backends.trl.rollouts.time.perf_counter", lambda: clock[0])
+    loaded: list[int] = []
+    lock = ArrivalLock()
+    server = SimpleNamespace(lock=lock, load=lambda model, version: loaded.append(version))
+    rollouts = AgentRollouts(None, None, server, {}, 8, asynchronous=True)  # type: ignore[arg-type]
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m), model="weights", state=SimpleNamespace(global_step=3)
+    )
+    seconds: list[float] = []
+    lock.lock.acquire()  # a batch generating
+    loader = threading.Thread(target=lambda: seconds.append(rollouts._load(trainer)))
+    loader.start()
+    assert lock.arrived.wait(WAIT_S)
+    clock[0] = 10.0  # the batch generated for 10 s while the load waited
+    lock.lock.release()
+    loader.join(WAIT_S)
+    assert seconds == [0.0] and loaded == [3]
