@@ -20,6 +20,7 @@ database; a check call says CORRECT with probability 0.6. About 2.6 calls a roll
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import random
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import agent.rollout  # noqa: E402
 from agent.spider_sql import CORRECT, INCORRECT  # noqa: E402
 from backends.sft import demonstration_texts  # noqa: E402
-from backends.trl.rollouts import run_on_server  # noqa: E402
+from backends.trl.rollouts import rollouts_on_server  # noqa: E402
 from inference.engine import Completion  # noqa: E402
 from inference.policy_server import PolicyServer  # noqa: E402
 from rewards.exec_match import clear_gold_cache  # noqa: E402
@@ -145,8 +146,10 @@ def main() -> None:
             server.chat_model, agent.rollout._REWARD_WORKERS = chat_model, workers  # type: ignore[method-assign]
             clear_gold_cache()  # each variant scores the step's tasks from cold, as a run meeting new tasks does
             start = time.perf_counter()
-            rollouts, records = run_on_server(
-                agent_, step_tasks, server, sampling, reward, lambda n: [f"r{next(counter)}" for _ in range(n)]
+            rollouts, records = asyncio.run(
+                rollouts_on_server(
+                    agent_, step_tasks, server, sampling, reward, lambda n: [f"r{next(counter)}" for _ in range(n)]
+                )
             )
             seconds = time.perf_counter() - start
             n_calls = sum(len(r) for r in records)

@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from agent.trajectory import Trajectory
 from models.tiny import TinyModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +82,15 @@ def micro_tiny(cache_dir: Path, **fields: Any) -> TinyModel:
         "dtype": "auto",
     }
     return TinyModel(name="tiny", hub_id=None, path=None, cache_dir=str(cache_dir), **(settings | fields))
+
+
+class HalfReward:
+    """1 when the last reply's length is odd, else 0: a micro model's groups get rewards that differ."""
+
+    name = "half"
+
+    def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
+        return float(len(trajectory.messages[-1]["content"]) % 2)
 
 
 def launch(

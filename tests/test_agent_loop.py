@@ -30,7 +30,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
 
 from backends.samples import sample_of
-from backends.trl.rollouts import run_on_server
+from backends.trl.rollouts import rollouts_on_server
 from backends.verl import runner
 from backends.verl.loop import FAIL_CLOSED_GRPO, ITEM_ID, ITEM_SCORE, LOOP_NAME, loop_config, task_row
 from backends.verl.runner import step_metrics
@@ -155,7 +155,9 @@ def test_a_rollout_in_verls_agent_loop_is_the_sample_backend_trl_trains(
         chat_format=ChatFormat(tokenizer, tool_format, chat_kwargs),
     )
     sampling = {"temperature": 1.0}
-    [rollout], [calls] = run_on_server(built["agent"], [task], server, sampling, built["reward"], lambda n: ["r0"])
+    [rollout], [calls] = asyncio.run(
+        rollouts_on_server(built["agent"], [task], server, sampling, built["reward"], lambda n: ["r0"])
+    )
     sample = sample_of(rollout, calls, RESPONSE_LENGTH, tokenizer.pad_token_id)
     assert sample.excluded is None and rollout.reward == 1.0 and len(calls) == 4
 

@@ -25,7 +25,7 @@ from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
-from tests.conftest import FAST_RUN, launch, micro_tiny
+from tests.conftest import FAST_RUN, HalfReward, launch, micro_tiny
 
 GROUP, TASKS_PER_STEP = 2, 2
 BATCH = GROUP * TASKS_PER_STEP
@@ -48,13 +48,6 @@ class RecordingAgent:
         messages = [{"role": "user", "content": task["question"]}]
         messages.append({"role": "assistant", "content": await llm.chat(messages)})
         return Trajectory(messages=messages, answer=task["id"], turns=1)
-
-
-class HalfReward:
-    name = "half"
-
-    def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
-        return float(len(trajectory.messages[-1]["content"]) % 2)
 
 
 class StepRecord(TrainerCallback):

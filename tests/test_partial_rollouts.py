@@ -38,7 +38,7 @@ from inference.ledger import CallRecord, ChatRequest, TokenLedger
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
 from models.chat import ChatFormat
-from tests.conftest import micro_tiny
+from tests.conftest import HalfReward, micro_tiny
 
 GROUP, TASKS_PER_STEP, STEPS = 2, 2, 6
 QUESTIONS = ["How many?", "Again.", "Count them.", "Which one?", "Show all.", "List them."]
@@ -74,13 +74,6 @@ class SpanningAgent:
             self.came.append(await until(lambda: self.server.ledger.weights_version >= step, WAIT_S))
         messages.append({"role": "assistant", "content": await llm.chat(messages)})
         return Trajectory(messages=messages, answer=task["id"], turns=2)
-
-
-class HalfReward:
-    name = "half"
-
-    def __call__(self, task: dict[str, Any], trajectory: Trajectory) -> float:
-        return float(len(trajectory.messages[-1]["content"]) % 2)
 
 
 class LockedGenerate(HFGenerate):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -291,25 +292,30 @@ def test_requests_whose_callers_were_cancelled_are_never_generated_for(tiny) -> 
     assert server.generate_calls == 1 and server.batcher._pending == []
 
 
+async def as_group(server: PolicyServer, rollouts: list[Awaitable[Any]], announced: int | None = None) -> None:
+    """`rollouts` as one group of active rollouts (`announced` of them: all by default), each saying when it ends; as
+    tasks, so that a group started beside this one enters before any call is made, as in the trainer."""
+    with server.active_rollouts(len(rollouts) if announced is None else announced) as finished:
+
+        async def one(rollout: Awaitable[Any]) -> None:
+            try:
+                await rollout
+            finally:
+                finished()
+
+        await asyncio.gather(*(one(r) for r in rollouts))
+
+
 def test_two_groups_of_rollouts_on_one_loop_share_one_generate_call_per_turn(tiny) -> None:
     """A batch read ahead beside the step's own (partial rollouts): a batch starts once every rollout of both groups
     waits, not once one group's count of them does."""
     server = server_for(tiny, batch_wait_s=30.0)  # only "every active rollout is waiting" starts a batch: no timing
     chats = [server.chat_model(f"r{i}", {"temperature": 1.0, "max_tokens": 6}) for i in range(6)]
 
-    async def group(members: list[OpenAIChat]) -> None:
-        with server.active_rollouts(len(members)) as finished:
-
-            async def one(chat: OpenAIChat) -> None:
-                try:
-                    await two_turns(chat)
-                finally:
-                    finished()
-
-            await asyncio.gather(*(one(c) for c in members))
-
     async def run_all() -> None:
-        await asyncio.gather(group(chats[:2]), group(chats[2:]))
+        await asyncio.gather(
+            as_group(server, [two_turns(c) for c in chats[:2]]), as_group(server, [two_turns(c) for c in chats[2:]])
+        )
 
     asyncio.run(run_all())
     assert server.generate_calls == 2
@@ -324,34 +330,18 @@ def test_a_group_that_ends_leaves_the_others_rollouts_waited_for(tiny) -> None:
     first_group_done = asyncio.Event()
 
     async def one_turn() -> None:
-        with server.active_rollouts(1) as finished:
-
-            async def one() -> None:
-                try:
-                    await chats[0].chat([{"role": "user", "content": "Hi"}])
-                finally:
-                    finished()
-
-            await asyncio.gather(one())  # as a task: the other group enters before any call, as in the trainer
+        await as_group(server, [chats[0].chat([{"role": "user", "content": "Hi"}])])
         active_after_first_group.append(server.batcher._active)
         first_group_done.set()
 
-    async def two_turns_after_it() -> None:
-        with server.active_rollouts(2) as finished:
-
-            async def one(chat: OpenAIChat) -> None:
-                try:
-                    messages = [{"role": "user", "content": "Hi"}]
-                    messages += [{"role": "assistant", "content": await chat.chat(messages)}]
-                    await first_group_done.wait()
-                    await chat.chat([*messages, {"role": "user", "content": "What is in the table?"}])
-                finally:
-                    finished()
-
-            await asyncio.gather(*(one(c) for c in chats[1:]))
+    async def two_turns_after_it(chat: OpenAIChat) -> None:
+        messages = [{"role": "user", "content": "Hi"}]
+        messages += [{"role": "assistant", "content": await chat.chat(messages)}]
+        await first_group_done.wait()
+        await chat.chat([*messages, {"role": "user", "content": "What is in the table?"}])
 
     async def run_all() -> None:
-        await asyncio.gather(one_turn(), two_turns_after_it())
+        await asyncio.gather(one_turn(), as_group(server, [two_turns_after_it(c) for c in chats[1:]]))
 
     asyncio.run(run_all())
     assert active_after_first_group == [2]  # the other group's two rollouts, still running
@@ -367,32 +357,16 @@ def test_a_group_that_ends_with_rollouts_unreported_stops_counting_them(tiny) ->
     first_group_done = asyncio.Event()
 
     async def announced_two_ran_one() -> None:
-        with server.active_rollouts(2) as finished:
-
-            async def one() -> None:
-                try:
-                    await chats[0].chat([{"role": "user", "content": "Hi"}])
-                finally:
-                    finished()
-
-            await asyncio.gather(one())
+        await as_group(server, [chats[0].chat([{"role": "user", "content": "Hi"}])], announced=2)
         active_after_first_group.append(server.batcher._active)
         first_group_done.set()
 
     async def after_it() -> None:
-        with server.active_rollouts(1) as finished:
-
-            async def one() -> None:
-                try:
-                    await first_group_done.wait()
-                    await chats[1].chat([{"role": "user", "content": "Hi"}])
-                finally:
-                    finished()
-
-            await asyncio.gather(one())
+        await first_group_done.wait()
+        await chats[1].chat([{"role": "user", "content": "Hi"}])
 
     async def run_all() -> None:
-        await asyncio.gather(announced_two_ran_one(), after_it())
+        await asyncio.gather(announced_two_ran_one(), as_group(server, [after_it()]))
 
     asyncio.run(run_all())
     assert active_after_first_group == [1]  # the other group's rollout alone

@@ -407,19 +407,6 @@ async def rollouts_on_server(
     return rollouts, [server.pop_records(rid) for rid in ids]
 
 
-def run_on_server(
-    agent: Agent,
-    tasks: list[dict[str, Any]],
-    server: PolicyServer,
-    sampling: dict[str, Any],
-    reward: Reward,
-    new_ids: Callable[[int], list[str]],
-    reward_timeout_s: float | None = None,
-) -> tuple[list[Rollout], list[list[CallRecord]]]:
-    """`rollouts_on_server` on an event loop of its own."""
-    return asyncio.run(rollouts_on_server(agent, tasks, server, sampling, reward, new_ids, reward_timeout_s))
-
-
 def validate_policy(
     agent: Agent,
     tasks: list[dict[str, Any]],
