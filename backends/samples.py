@@ -12,9 +12,9 @@ Fail closed: a rollout that cannot be trained on exactly is excluded, for one of
 - `inexact`: a call's messages did not extend the conversation (the agent rewrote or dropped a message, or changed
   `tools`);
 - `overflow`: the rollout went on after its response budget was spent (a call got an empty reply it never sampled);
-- `stale`: some of its tokens were sampled by weights older than the step that trains it allows (`oldest_allowed`:
-  the trainer's step less `algorithm.max_staleness`; asynchronous and partial rollouts, whose calls record the
-  weights that sampled them, `CallRecord.weights_version`).
+- `stale`: one of its calls was sent to weights older than the step that trains it allows (`oldest_allowed`: the
+  trainer's step less `algorithm.max_staleness`; asynchronous and partial rollouts, whose calls record the weights
+  they were sent to, `CallRecord.weights_version`).
 An excluded rollout's sample is one token with mask 0 and no reward: no gradient, and no part in its group's
 baseline (each backend says how it keeps it out).
 """
@@ -89,7 +89,7 @@ def sample_of(
     oldest_allowed: int | None = None,
 ) -> Sample:
     """The rollout's sample, or an excluded one: the agent's or reward's failure first, then its staleness (a call
-    sampled by weights older than `oldest_allowed`; None: no bound), then the sequence's."""
+    sent to weights older than `oldest_allowed`; None: no bound), then the sequence's."""
     if rollout.failure is not None:
         return excluded_sample(rollout.failure, pad_id)
     oldest = oldest_weights(calls)
