@@ -12,10 +12,13 @@
 - Prefix caching: every turn re-sends the conversation and every group shares its task prompt; vLLM's prefix cache
   keeps those blocks. It is reset after every weight load (blocks computed with the old weights are stale). A
   completion's `prefilled` is its prompt less the tokens vLLM served from that cache (`num_cached_tokens`).
-- With `live_loads` (partial rollouts, `algorithm.partial_rollouts`; this process's engine only) a load may come
-  while requests are in flight: it runs on the engine thread between two engine steps, and the running requests are
-  preempted with the cache (`reset_prefix_cache(reset_running_requests=True)`) and resume under the new weights,
-  their prompt and the tokens sampled so far recomputed; every token keeps the log-prob it was sampled with. vLLM's
+- With `live_loads` (partial rollouts, `algorithm.partial_rollouts`) a load may come while requests are in flight:
+  it runs on the engine thread between two engine steps, and the running requests are preempted with the cache
+  (`reset_prefix_cache(reset_running_requests=True)`) and resume under the new weights, their prompt and the tokens
+  sampled so far recomputed; every token keeps the log-prob it was sampled with. An engine core in its own process
+  (`own_process`) steps by itself, also between a load's buckets: its scheduler is paused for the load (vLLM's
+  `sleep(level=0, mode="keep")`, which returns once no step is in flight; requests stay) and resumed after the reset
+  (`wake_up(tags=["scheduling"])`), so no token is sampled from half-loaded weights. vLLM's
   asynchronous scheduling is then off: in vLLM 0.20.2 that preemption drops the next token of a request that had
   none in flight while the model still reads it (vllm-project/vllm#42043). The recomputation is mostly not in
   `prefilled` (a preempted request's is not). Without `live_loads` a load with requests in flight is refused.
@@ -199,8 +202,6 @@ class VLLMEngine:
                 f"VLLMSettings.own_process={settings.own_process}: build it with vllm_engine(settings), "
                 f"not {type(self).__name__}"
             )
-        if settings.live_loads and settings.own_process:  # its engine process steps on between a load's calls
-            raise ValueError("VLLMSettings.live_loads: this process's engine only (own_process=False)")
         self.settings = settings
         # builds the LLM (the tests pass a fake one)
         self._start = start or functools.partial(_start_llm, executor=self._executor)
@@ -373,15 +374,26 @@ class VLLMEngine:
         elif self._asleep:
             torch.cuda.empty_cache()  # what the trainer's allocator cached goes back before vLLM takes it again
             self._llm.wake_up(tags=["weights"])
+        live = bool(self._pending)
+        if live:
+            self._hold()
         self._load_weights(model)
         if self._asleep:
             self._llm.wake_up(tags=["kv_cache"])
             self._asleep = False
         # blocks computed with the previous weights; requests in flight are preempted, to be recomputed as they resume
-        if self._llm.reset_prefix_cache(reset_running_requests=bool(self._pending)) is False:
+        if self._llm.reset_prefix_cache(reset_running_requests=live) is False:
             raise RuntimeError("vLLM kept blocks computed with the previous weights (its prefix cache reset failed)")
+        if live:
+            self._release_hold()
         self.weight_loads += 1
-        self.live_loads += bool(self._pending)
+        self.live_loads += live
+
+    def _hold(self) -> None:
+        """No engine step until `_release_hold`: here every step is the engine thread's, which is loading."""
+
+    def _release_hold(self) -> None:
+        """Steps go on (`_hold`)."""
 
     @staticmethod
     def _executor() -> dict[str, Any]:
@@ -421,6 +433,14 @@ class VLLMProcessEngine(VLLMEngine):
     def close(self) -> None:
         super().close()
         self._llm = None  # its process ended with the engine thread: a later load starts a new one
+
+    def _hold(self) -> None:
+        """The engine process steps by itself: its scheduler paused, requests kept; returns once no step is in
+        flight (vLLM's level-0 sleep, mode "keep")."""
+        self._llm.sleep(level=0, mode="keep")
+
+    def _release_hold(self) -> None:
+        self._llm.wake_up(tags=["scheduling"])
 
     def _load_weights(self, model: PreTrainedModel) -> None:
         """The weights to vLLM's engine process as CUDA IPC handles, in buckets of about IPC_BUCKET_BYTES (a LoRA

@@ -31,7 +31,6 @@ from backends.trl.arms import passthrough_reward
 from backends.trl.backend import TRLBackend
 from backends.trl.rollouts import AgentRollouts, Generated, GenerationLoop, InFlight, task_prompt
 from backends.trl.trainer import AgentGRPOTrainer
-from foundation.errors import ConfigError
 from inference.engine import Completion
 from inference.hf import HFGenerate
 from inference.ledger import CallRecord, ChatRequest, TokenLedger
@@ -324,11 +323,9 @@ def test_a_failing_run_stops_the_rollouts_loop_without_waiting_for_its_batch() -
     assert not loop.thread.is_alive()  # the loop stopped, and its thread ended
 
 
-def test_partial_rollouts_with_vllm_in_its_own_process_are_refused() -> None:
-    """Its engine process goes on sampling between the calls that load the weights."""
-    with pytest.raises(ConfigError, match=r"algorithm\.partial_rollouts: not with backend\.vllm_own_process"):
-        TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True, partial_rollouts=True))
-    TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True))
+def test_partial_rollouts_run_with_vllm_in_its_own_process() -> None:
+    """Its engine process is paused for each load (tests/test_vllm_engine.py): nothing refuses the pair."""
+    TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO(async_rollouts=True, partial_rollouts=True))
 
 
 class ArrivalLock:

@@ -348,32 +348,74 @@ def test_vllm_errors_name_the_key_and_the_extra() -> None:
         build_components(cfg)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(
-    tiny, lora: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """backend.vllm_own_process: the weights cross to vLLM's engine process as handles, bucket by bucket, through
-    collective_rpc into the worker extension (inference/vllm_worker.py, run here on the fake's model); each bucket's
-    tensors are finished on the GPU before their handles go, and no handle is of the trainer's own parameters (torch
-    would keep a wrapper per share for the parameter's life): copies, or LoRA's merged copies. CUDA IPC itself needs
-    a GPU: here a tensor's "handle" is its values (the GPU run checks the real one: the sampler's log-probs match the
-    trainer's)."""
-    import inference.vllm as vllm_module
-    from inference.vllm_worker import SharedWeights
+class FakeEngineProcess(FakeLLM):
+    """vLLM's engine core in a process of its own as VLLMProcessEngine uses it: weights arrive bucket by bucket through
+    `collective_rpc` into the worker extension (inference/vllm_worker.py, run here on the fake's model), which
+    records each bucket's weights; and the core steps by itself while its scheduler is not paused, here once before
+    each call that reaches it (the real one steps on between two calls). Those steps' finished requests reach the
+    engine thread with its next `step()`. `sleep(level=0, mode="keep")` pauses the scheduler, requests kept;
+    `wake_up(tags=["scheduling"])` resumes it."""
 
-    model, _ = tiny
-    if lora:
-        model = get_peft_model(
-            type(model)(model.config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
-        )
-    engine, started = fake_engine(own_process=True)
-    events: list[Any] = []
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    shared_own: list[str] = []
+    def __init__(self, vocab: int, events: list[Any]) -> None:
+        from inference.vllm_worker import SharedWeights
+
+        super().__init__(vocab)
+        self.events = events
+        self.paused = False
+        self.outbox: list[Any] = []
+        self.buckets = 0  # buckets loaded so far
+        self.loaded_weights: dict[str, torch.Tensor] = {}
+        self.worker = SharedWeights()
+        self.worker.model_runner = self.model_executor.driver_worker.worker.model_runner
+        self.worker.model_runner.model.load_weights = self._load_bucket
+
+    def _load_bucket(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.loaded_weights.update(weights)
+        self.buckets += 1
+        self.events.append(("load_weights", len(weights)))
+
+    def _reached(self) -> None:
+        if self.running and not self.paused:
+            self.events.append(("core_step", self.buckets))
+            self.outbox += FakeLLM.step(self)
+
+    def step(self) -> list[Any]:
+        out, self.outbox = self.outbox, []
+        return out + super().step()
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[int]:
+        self._reached()
+        self.events.append(method)
+        return [getattr(self.worker, method)(*args)]
+
+    def sleep(self, level: int, mode: str = "abort") -> None:
+        self._reached()
+        if (level, mode) == (0, "keep"):
+            self.paused = True
+            self.events.append(("pause",))
+        else:
+            super().sleep(level)
+
+    def wake_up(self, tags: list[str]) -> None:
+        self._reached()
+        super().wake_up(tags)
+        self.paused = self.paused and "scheduling" not in tags
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        self._reached()
+        return super().reset_prefix_cache(reset_running_requests)
+
+
+def engine_process(
+    monkeypatch: pytest.MonkeyPatch, events: list[Any], **settings: Any
+) -> tuple[VLLMEngine, list[FakeEngineProcess]]:
+    """A VLLMProcessEngine on FakeEngineProcess, its weights in 40 kB buckets. CUDA IPC itself needs a GPU: here a
+    tensor's "handle" is its values (the GPU run checks the real one: the sampler's log-probs match the trainer's);
+    the handles shared are recorded in `events` as ("share", storage pointer); CUDA's synchronizations as events."""
+    import inference.vllm as vllm_module
 
     def share(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
-        if tensor.untyped_storage().data_ptr() in own:
-            shared_own.append(str(tensor.shape))
+        events.append(("share", tensor.untyped_storage().data_ptr()))
         return torch.tensor, (tensor.tolist(),)
 
     monkeypatch.setattr(vllm_module, "share", share)
@@ -382,33 +424,35 @@ def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(
     stream = SimpleNamespace(synchronize=lambda: events.append("worker sync"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: events.append("ipc_collect"))
+    engine, _ = fake_engine(own_process=True, **settings)
+    started: list[FakeEngineProcess] = []
+    engine._start = lambda model, s: started.append(FakeEngineProcess(300, events)) or started[-1]
+    return engine, started
 
-    def start(model: Any, settings: VLLMSettings) -> FakeLLM:
-        fake = FakeLLM(300)
-        fake.events = events
-        worker = SharedWeights()
-        worker.model_runner = fake.model_executor.driver_worker.worker.model_runner
 
-        def collective_rpc(method: str, args: tuple[Any, ...]) -> list[int]:
-            events.append(method)
-            return [getattr(worker, method)(*args)]
-
-        fake.collective_rpc = collective_rpc
-        loaded: dict[str, torch.Tensor] = {}
-        fake.model_executor.driver_worker.worker.model_runner.model.load_weights = lambda weights: (
-            loaded.update(weights) or events.append(("load_weights", len(weights)))
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(
+    tiny, lora: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """backend.vllm_own_process: the weights cross to vLLM's engine process as handles, bucket by bucket, through
+    collective_rpc into the worker extension; each bucket's tensors are finished on the GPU before their handles go,
+    and no handle is of the trainer's own parameters (torch would keep a wrapper per share for the parameter's
+    life): copies, or LoRA's merged copies."""
+    model, _ = tiny
+    if lora:
+        model = get_peft_model(
+            type(model)(model.config), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
         )
-        fake.loaded_weights = loaded
-        started.append(fake)
-        return fake
-
-    engine._start = start
+    events: list[Any] = []
+    engine, started = engine_process(monkeypatch, events)
     engine.load(model)
     engine.close()
     sent = dict(full_weights(model))
     assert started[0].loaded_weights.keys() == sent.keys()
     assert all(torch.equal(started[0].loaded_weights[k].to(t.dtype), t.cpu()) for k, t in sent.items())
-    names = [e if isinstance(e, str) else e[0] for e in events]
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert [e for e in events if e[0] == "share" and e[1] in own] == []
+    names = [e if isinstance(e, str) else e[0] for e in events if e[0] != "share"]
     buckets = names.count("load_shared_weights")
     assert buckets > 1  # the 40 kB buckets split the model
     assert names == ["sync", "load_shared_weights", "load_weights", "worker sync"] * buckets + [
@@ -416,8 +460,38 @@ def test_an_engine_in_its_own_process_gets_every_weight_once_in_buckets(
         "reset_prefix_cache",
     ]
     assert sum(e[1] for e in events if isinstance(e, tuple) and e[0] == "load_weights") == len(sent)
-    assert shared_own == []
     assert engine._llm is None  # its process ended with the engine thread: a later load starts a new one
+
+
+def test_a_live_load_pauses_the_engine_process_so_no_token_comes_from_half_loaded_weights(
+    tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partial rollouts with backend.vllm_own_process: the engine process would step on between the load's buckets
+    (sampling from weights half old, half new); the load pauses its scheduler first, the request kept, and resumes it
+    after the cache reset, so the request's steps come before the first bucket or after the last; it then goes on
+    under the new weights and its completion holds every token it sampled."""
+    model, _ = tiny
+    events: list[Any] = []
+    engine, started = engine_process(monkeypatch, events, sleep=False, live_loads=True)
+    engine.load(model)
+    fake = started[0]
+    fake.buckets = 0
+    first = len(events)
+    long, short = long_request_in_flight(engine, fake, lambda: engine.load(model))
+    assert long.token_ids == [(3 + i) % 300 for i in range(20)] and long.finish_reason == "length"
+    assert long.logprobs == [-0.5 - i / 100 for i in range(20)]
+    assert short.token_ids == [2, 3, 4]
+    live = [e for e in events[first:] if e[0] in ("pause", "load_weights", "reset_prefix_cache", "wake_up")]
+    buckets = fake.buckets
+    assert buckets > 1
+    assert live == [("pause",)] + [("load_weights", e[1]) for e in live[1 : 1 + buckets]] + [
+        ("reset_prefix_cache", True),
+        ("wake_up", ("scheduling",)),
+    ]
+    core_steps = [e[1] for e in events[first:] if e[0] == "core_step"]
+    assert all(n in (0, buckets) for n in core_steps)  # none while the weights were half loaded
+    assert (engine.weight_loads, engine.live_loads) == (2, 1)
+    engine.close()
 
 
 def test_an_engine_in_its_own_process_runs_on_one_rank_only() -> None:
@@ -564,6 +638,6 @@ def test_live_loads_turn_vllms_asynchronous_scheduling_off(tiny, monkeypatch: py
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs)))
     for live in (True, False):
         _start_llm(model, VLLMSettings(max_model_len=64, live_loads=live), executor=dict)
+    _start_llm(model, VLLMSettings(max_model_len=64, live_loads=True, own_process=True), executor=dict)
     assert built[0]["async_scheduling"] is False and "async_scheduling" not in built[1]
-    with pytest.raises(ValueError, match="live_loads"):
-        vllm_engine(VLLMSettings(max_model_len=64, live_loads=True, own_process=True))
+    assert built[2]["async_scheduling"] is False  # its engine process too

@@ -196,10 +196,6 @@ class TRLBackend:
         if algo.overlapped and algo.is_correction == "none":
             raise ConfigError("algorithm.async_rollouts trains one step off-policy: it needs the importance-sampling "
                               "correction (algorithm.is_correction, e.g. token_truncate)")  # fmt: skip
-        if algo.partial_rollouts and self.vllm_own_process:
-            raise ConfigError("algorithm.partial_rollouts: not with backend.vllm_own_process=true (vLLM's engine "
-                              "process would go on sampling between the calls that load the weights): set it "
-                              "false")  # fmt: skip
         if self.vllm_own_process and ranks > 1:
             raise ConfigError(f"backend.vllm_own_process: one rank only for now (vLLM's engine process would take "
                               f"the first GPU on every rank; now {ranks} ranks): set it false")  # fmt: skip
