@@ -214,7 +214,9 @@ class VLLMEngine:
         self._broken: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.weight_loads = 0
-        self.live_loads = 0  # weight loads with requests in flight (partial rollouts): those resumed under them
+        # weight loads with requests in flight (partial rollouts): those resumed under them (a request vLLM finished
+        # whose output this thread had not read yet counts as in flight)
+        self.live_loads = 0
         self.steps = 0  # engine steps run (each a decode step of the running batch, with any prefill chunks)
         self.max_running = 0  # the most requests in flight at once
 
@@ -296,7 +298,9 @@ class VLLMEngine:
 
     def _call(self, fn: Callable[[], None], while_running: bool = False) -> None:
         """Run `fn` on the engine thread, between two steps, and wait for it (sleep: only while no request is in
-        flight; a weight load, `while_running`, also with requests in flight)."""
+        flight; a weight load, `while_running`, also with requests in flight). A refused call leaves the engine as it
+        was; `fn` failing leaves vLLM in an unknown state (weights half loaded, an engine process paused), so it
+        breaks the engine: its error goes to the caller, to every running request and to every later call."""
         future: Future[None] = Future()
 
         def command() -> None:
@@ -305,10 +309,15 @@ class VLLMEngine:
                     raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
                 if self._pending and not while_running:
                     raise RuntimeError(f"{len(self._pending)} requests are still running")
+            except RuntimeError as exc:
+                future.set_exception(exc)
+                return
+            try:
                 fn()
-                future.set_result(None)
             except BaseException as exc:
                 future.set_exception(exc)
+                raise  # _run fails the engine
+            future.set_result(None)
 
         self._send(command)
         future.result()

@@ -2,7 +2,9 @@
 sleep / wake_up, the worker's model.load_weights) records the order of events. What it checks: requests join the
 running batch as they arrive (continuous batching through the policy server), the trainer's weights go in under the
 checkpoint's names with LoRA merged into copies, sleep and wake around the update, cancelled calls are aborted, and
-the config's errors name the key and the extra. vLLM's own behaviour is checked on the GPU (bench/vllm_check.py)."""
+the config's errors name the key and the extra; with the engine in its own process, weights in buckets, a live load
+paused against its steps, a failed one breaking the engine. vLLM's own behaviour is checked on the GPU (bench/README.md:
+the vLLM smoke and log-prob gap runs)."""
 
 from __future__ import annotations
 
@@ -354,7 +356,8 @@ class FakeEngineProcess(FakeLLM):
     records each bucket's weights; and the core steps by itself while its scheduler is not paused, here once before
     each call that reaches it (the real one steps on between two calls). Those steps' finished requests reach the
     engine thread with its next `step()`. `sleep(level=0, mode="keep")` pauses the scheduler, requests kept;
-    `wake_up(tags=["scheduling"])` resumes it."""
+    `wake_up(tags=["scheduling"])` resumes it; paused, it gives nothing. `fail_at_bucket`: the bucket of that number
+    (counting every bucket since it started, from 1) fails."""
 
     def __init__(self, vocab: int, events: list[Any]) -> None:
         from inference.vllm_worker import SharedWeights
@@ -364,6 +367,7 @@ class FakeEngineProcess(FakeLLM):
         self.paused = False
         self.outbox: list[Any] = []
         self.buckets = 0  # buckets loaded so far
+        self.fail_at_bucket = 0
         self.loaded_weights: dict[str, torch.Tensor] = {}
         self.worker = SharedWeights()
         self.worker.model_runner = self.model_executor.driver_worker.worker.model_runner
@@ -380,12 +384,16 @@ class FakeEngineProcess(FakeLLM):
             self.outbox += FakeLLM.step(self)
 
     def step(self) -> list[Any]:
+        if self.paused:
+            return []
         out, self.outbox = self.outbox, []
         return out + super().step()
 
     def collective_rpc(self, method: str, args: tuple[Any, ...]) -> list[int]:
         self._reached()
         self.events.append(method)
+        if self.buckets + 1 == self.fail_at_bucket:
+            raise RuntimeError("the bucket failed in the engine process")
         return [getattr(self.worker, method)(*args)]
 
     def sleep(self, level: int, mode: str = "abort") -> None:
@@ -491,6 +499,40 @@ def test_a_live_load_pauses_the_engine_process_so_no_token_comes_from_half_loade
     core_steps = [e[1] for e in events[first:] if e[0] == "core_step"]
     assert all(n in (0, buckets) for n in core_steps)  # none while the weights were half loaded
     assert (engine.weight_loads, engine.live_loads) == (2, 1)
+    engine.close()
+
+
+def test_a_live_load_that_fails_breaks_the_engine_and_fails_its_requests(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket that fails leaves vLLM's engine process paused with its weights half loaded: nothing may go on from
+    there, and nothing may wait for it. The load's caller, the request in flight and every later call get the
+    error."""
+    model, _ = tiny
+    events: list[Any] = []
+    engine, started = engine_process(monkeypatch, events, sleep=False, live_loads=True)
+    engine.load(model)
+    fake = started[0]
+
+    def failing_load() -> None:
+        fake.fail_at_bucket = fake.buckets + 2
+        with pytest.raises(RuntimeError, match="bucket failed"):
+            engine.load(model)
+
+    async def go() -> None:
+        long = asyncio.ensure_future(engine.submit([5, 6, 7], 20, temperature=1.0, top_p=1.0, eos_ids=set()))
+        for _ in range(3000):  # until the engine thread runs it (at most 30 s)
+            await asyncio.sleep(0.01)
+            if fake.running:
+                break
+        assert fake.running, "the engine never took the request"
+        await asyncio.to_thread(failing_load)
+        with pytest.raises(RuntimeError, match="bucket failed"):
+            await long  # answered, not left waiting for a paused engine
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            await engine.submit([1, 2], 3, temperature=1.0, top_p=1.0, eos_ids=set())
+
+    fake.hold_long_until_adds = 2
+    asyncio.run(asyncio.wait_for(go(), timeout=60))
+    assert fake.paused and ("wake_up", ("scheduling",)) not in events  # never resumed on half-loaded weights
     engine.close()
 
 
