@@ -3,22 +3,24 @@
 # tool on one warm machine: calls back to back in ONE message (a machine is given back 30 s after a call; /tmp stays):
 #   1 call, carry [".vc"]:                    bash bench/agent_step_calls.sh trl
 #       the trl stack to /tmp/proj (python bench/gpu_wheels.py --stack trl --leave-out openai-agents .vc/trl)
-#   17 calls, carry [".dv00"] ... [".dv16"]:  bash bench/agent_step_calls.sh part    (the last: part install)
+#   17 calls, carry [".dv00"] ... [".dv16"]:  bash bench/agent_step_calls.sh part    (the last: part install 17)
 #       vLLM 0.20.2's bundle, one 20 MiB part a call (a call carries the working tree too, 64 MiB in all): the
 #       closure of ../shared/gpu/vllm-wheels.py as `tar -cf - -C <its wheels> . | split -b 20M -d - part`, each part
-#       in a git-excluded folder of its own (.dvNN/partNN); `install` joins them and installs to /tmp/site
+#       in a git-excluded folder of its own (.dvNN/partNN); `install N` checks that N parts came, joins them and
+#       installs to /tmp/site
 #   2 calls:  bash bench/agent_step_calls.sh measure sync own-partial
 #             bash bench/agent_step_calls.sh measure own in-partial
 #       each variant in turn (vLLM starts anew in each: ~60 s of a variant's ~200 s), its JSON and log in $OUT, then
-#       the table of the call's JSONs (bench/agent_rollouts.py --table); LIMIT (default 570) seconds from the call's
-#       start, after which a variant still running is stopped (its JSON is then missing, its log says how far it got)
+#       the table of the call's JSONs (bench/agent_rollouts.py --table); LIMIT (default 540) seconds from the call's
+#       start, after which a variant still running is stopped (its JSON is then missing, its log says how far it got);
+#       a variant is not started with under 200 s left
 # Variants (bench/agent_rollouts.py, the 1.5B workload: 32 tasks x 4, 3 SQL turns with the check step, 4 timed steps
 # after 1 warm-up, micro-batch 4, vLLM at 0.3 of the GPU: what bench/README.md's earlier rows ran):
 #   sync         synchronous, vLLM in the trainer's process (the default)
 #   own          algorithm.async_rollouts with backend.vllm_own_process=true (the fastest step so far)
 #   own-partial  the same with algorithm.partial_rollouts
 #   in-partial   partial rollouts with vLLM in the trainer's process
-set -u
+set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BENCH="bench/agent_rollouts.py --shape qwen25_1_5b --engine vllm --warmup 1 --steps 4 --micro-batch 4"
@@ -29,8 +31,10 @@ declare -A VARIANT=(
   [in-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3"
 )
 
-end_gpu_processes() {  # what this call started and left on the GPU (a warm machine keeps it into the next call)
+end_gpu_processes() {  # what a variant left on the GPU (a warm machine keeps it into the next call), up to 30 s
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill "$pid" 2>/dev/null; done
+  for _ in $(seq 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return; sleep 1; done
+  echo "GPU processes still there after 30 s: $(nvidia-smi --query-compute-apps=pid --format=csv,noheader | tr '\n' ' ')"
 }
 
 case ${1:-} in
@@ -42,6 +46,7 @@ case ${1:-} in
     mkdir -p /tmp/vc && cp .dv*/part* /tmp/vc/ || exit 1
     echo "$(ls /tmp/vc | wc -l) parts in /tmp/vc"
     if [ "${2:-}" = install ]; then
+      [ "$(ls /tmp/vc | wc -l)" = "${3:-}" ] || { echo "not installed: ${3:-?} parts expected"; exit 1; }
       mkdir -p /tmp/vb && cat /tmp/vc/part* | tar -xf - -C /tmp/vb || exit 1
       python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/vb/*.whl 2>&1 | grep -vi warning
       python3 -c "import vllm, torch, trl; print('vllm', vllm.__version__, 'torch', torch.__version__)" || exit 1
@@ -50,25 +55,25 @@ case ${1:-} in
   measure)
     shift
     for name in "$@"; do [ -n "${VARIANT[$name]+set}" ] || { echo "unknown variant $name (${!VARIANT[*]})"; exit 2; }; done
-    LIMIT=${LIMIT:-570}
+    LIMIT=${LIMIT:-540}
     [[ $LIMIT =~ ^[0-9]+$ ]] || { echo "LIMIT=$LIMIT: seconds, a whole number"; exit 2; }
     deadline=$(($(date +%s) + LIMIT))
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/env.txt"
     git log -1 --format=%H >> "$OUT/env.txt" 2>&1
     for name in "$@"; do
       left=$((deadline - $(date +%s)))
-      [ $left -gt 60 ] || { echo "$name: not started, $left s left" | tee -a "$OUT/env.txt"; continue; }
+      [ $left -ge 200 ] || { echo "$name: not started, $left s left" | tee -a "$OUT/env.txt"; continue; }
       start=$(date +%s)
       # shellcheck disable=SC2086  # the variant's arguments are words
-      timeout -s TERM -k 20 $left python $BENCH ${VARIANT[$name]} --out "$OUT/agent_step_$name.json" \
+      timeout -s TERM -k 20 $left python3 $BENCH ${VARIANT[$name]} --out "$OUT/agent_step_$name.json" \
         > "$OUT/$name.log" 2>&1
       echo "$name: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/env.txt"
       end_gpu_processes
     done
-    ls "$OUT"/agent_step_*.json > /dev/null 2>&1 && python bench/agent_rollouts.py --table "$OUT"/agent_step_*.json
+    ls "$OUT"/agent_step_*.json > /dev/null 2>&1 && python3 bench/agent_rollouts.py --table "$OUT"/agent_step_*.json
     ;;
   *)
-    echo "usage: bash bench/agent_step_calls.sh trl | part [install] | measure VARIANT... (${!VARIANT[*]})"
+    echo "usage: bash bench/agent_step_calls.sh trl | part [install N] | measure VARIANT... (${!VARIANT[*]})"
     exit 2
     ;;
 esac
