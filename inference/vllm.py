@@ -33,7 +33,9 @@
   which `vllm_engine` builds) its engine core runs in a process of its own on the same GPU (vLLM's multiprocess
   engine), and a weight load sends CUDA IPC handles of the trainer's tensors (`inference/vllm_worker.py` loads them
   there, in buckets of `IPC_BUCKET_BYTES`): generation then competes with the update for the GPU only, not for the
-  interpreter (asynchronous rollouts). One rank only.
+  interpreter (asynchronous rollouts). On several ranks each rank's engine process starts seeing only that rank's GPU
+  (`only_gpu`: vLLM 0.20.2's takes the first it sees), opens the handles on it and checks by UUID that it is the
+  trainer's.
 - Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
   rollout phase frees all of it (level 2: weights and KV cache), so the update has it; the next `load` wakes vLLM.
 
@@ -55,7 +57,7 @@ import queue
 import socket
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +78,36 @@ def share(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any,
     from torch.multiprocessing.reductions import reduce_tensor
 
     return reduce_tensor(tensor)
+
+
+def gpu_uuid(device: torch.device | int) -> str:
+    """The GPU's UUID: the same GPU whatever number a process gives it."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+@contextlib.contextmanager
+def only_gpu(device: torch.device) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES narrowed to `device` (as this process numbers its GPUs; weights kept in CPU memory, FSDP2's
+    `offload=all`: this process's current GPU, where they are gathered) for the processes started meanwhile, which
+    inherit it; restored after. This process's own CUDA is started already and keeps every GPU. Without CUDA,
+    nothing."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device.type == "cuda" and device.index is not None:
+        index = device.index
+    elif torch.cuda.is_available():
+        index = torch.cuda.current_device()
+    else:
+        yield
+        return
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 INSTALL_HINT = "pip install -e '.[vllm]' -c constraints-vllm.txt"
@@ -123,12 +155,16 @@ class _Request:
     done: Callable[[Completion | BaseException], None]
 
 
-def _start_llm(model: PreTrainedModel, settings: VLLMSettings, executor: Callable[[], dict[str, Any]]) -> Any:
-    """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones); `executor`
-    prepares where its engine runs and gives `LLM` the arguments that say so."""
+def _start_llm(
+    model: PreTrainedModel,
+    settings: VLLMSettings,
+    executor: Callable[[torch.device], contextlib.AbstractContextManager[dict[str, Any]]],
+) -> Any:
+    """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones); `executor`,
+    given the GPU of `model`'s weights, prepares where the engine runs while `LLM` starts and gives it the arguments
+    that say so."""
     from vllm import LLM
 
-    where = executor()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = settings.dtype or next(base.parameters()).dtype
     config_dir = tempfile.mkdtemp(prefix="vllm-config-")
@@ -136,26 +172,27 @@ def _start_llm(model: PreTrainedModel, settings: VLLMSettings, executor: Callabl
     # a model built from a config has none; vLLM picks its class by it (FSDP2 renames a sharded model's class)
     config.architectures = [architecture(base)]
     config.save_pretrained(config_dir)
-    return LLM(
-        model=config_dir,
-        runner="generate",
-        skip_tokenizer_init=True,
-        load_format="dummy",
-        dtype=dtype,
-        max_model_len=settings.max_model_len,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_model_len),
-        enable_prefix_caching=settings.prefix_caching,
-        enable_sleep_mode=settings.sleep,
-        enforce_eager=settings.enforce_eager,
-        **where,
-        logprobs_mode="processed_logprobs",
-        generation_config="vllm",
-        seed=settings.seed,
-        # vLLM's own default (on where its executor allows it) unless loads come mid-batch (module docstring)
-        **({"async_scheduling": False} if settings.live_loads else {}),
-    )
+    with executor(next(base.parameters()).device) as where:
+        return LLM(
+            model=config_dir,
+            runner="generate",
+            skip_tokenizer_init=True,
+            load_format="dummy",
+            dtype=dtype,
+            max_model_len=settings.max_model_len,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=max(settings.max_num_batched_tokens, settings.max_model_len),
+            enable_prefix_caching=settings.prefix_caching,
+            enable_sleep_mode=settings.sleep,
+            enforce_eager=settings.enforce_eager,
+            **where,
+            logprobs_mode="processed_logprobs",
+            generation_config="vllm",
+            seed=settings.seed,
+            # vLLM's own default (on where its executor allows it) unless loads come mid-batch (module docstring)
+            **({"async_scheduling": False} if settings.live_loads else {}),
+        )
 
 
 def architecture(model: PreTrainedModel) -> str:
@@ -405,9 +442,11 @@ class VLLMEngine:
         """Steps go on (`_hold`)."""
 
     @staticmethod
-    def _executor() -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _executor(device: torch.device) -> Iterator[dict[str, Any]]:
         """One process, one engine: vLLM's external launcher runs the engine in this process (so its model is
-        reachable for load_weights); it reads the torchrun variables, defaulted here for a single process."""
+        reachable for load_weights), on this rank's GPU; it reads the torchrun variables, defaulted here for a single
+        process."""
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -416,7 +455,7 @@ class VLLMEngine:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        return {"distributed_executor_backend": "external_launcher"}
+        yield {"distributed_executor_backend": "external_launcher"}
 
     def _load_weights(self, model: PreTrainedModel) -> None:
         """`model`'s weights into vLLM's model, which runs in this process."""
@@ -434,10 +473,13 @@ class VLLMProcessEngine(VLLMEngine):
     cross as CUDA IPC handles. See the module docstring."""
 
     @staticmethod
-    def _executor() -> dict[str, Any]:
-        """vLLM's multiprocess engine, its GPU worker extended to load weights from handles."""
+    @contextlib.contextmanager
+    def _executor(device: torch.device) -> Iterator[dict[str, Any]]:
+        """vLLM's multiprocess engine, its GPU worker extended to load weights from handles, started on `device`
+        (vLLM 0.20.2's engine process takes the first GPU it sees: it sees only that one)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        return {"worker_extension_cls": "inference.vllm_worker.SharedWeights"}
+        with only_gpu(device):
+            yield {"worker_extension_cls": "inference.vllm_worker.SharedWeights"}
 
     def close(self) -> None:
         super().close()
@@ -471,7 +513,8 @@ class VLLMProcessEngine(VLLMEngine):
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         torch.cuda.synchronize()  # the tensors (copies, merged copies, gathers) are written, on any stream
-        payload = pickle.dumps([(name, share(tensor)) for name, tensor in bucket])
+        gpu = gpu_uuid(bucket[0][1].device)  # every tensor of a rank is on its GPU
+        payload = pickle.dumps((gpu, [(name, share(tensor)) for name, tensor in bucket]))
         self._llm.collective_rpc("load_shared_weights", args=(payload,))
 
 

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ENGINE_PROCESS = "EngineCore"  # the name vLLM gives its engine process (vllm/v1/engine/utils.py)
@@ -36,16 +37,38 @@ def die_with_parent() -> None:
 die_with_parent()
 
 
+def gpu_uuid(device: int) -> str:
+    """The GPU's UUID (inference.vllm.gpu_uuid: this module imports nothing of the project's)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def on_device(rebuild: Any, args: tuple[Any, ...], device: int) -> tuple[Any, ...]:
+    """A CUDA tensor's reduction (torch's `rebuild_cuda_tensor`, its 7th argument the device index) made to open on
+    `device`; any other as it is."""
+    if rebuild is not rebuild_cuda_tensor:
+        return args
+    return (*args[:6], device, *args[7:])
+
+
 class SharedWeights:
     """Mixed into vLLM's worker: `collective_rpc("load_shared_weights", args=(payload,))`."""
 
     model_runner: Any  # the worker's
 
     def load_shared_weights(self, payload: bytes) -> int:
-        """Load one bucket of weights: `payload` pickles [(name, torch.multiprocessing's reduction of the tensor)],
-        the tensors living in the trainer's process. Returns how many; the copy is finished when it returns, so the
-        trainer may free or overwrite its tensors then."""
-        weights = [(name, rebuild(*args)) for name, (rebuild, args) in pickle.loads(payload)]
+        """Load one bucket of weights: `payload` pickles (the UUID of the trainer's GPU, [(name, torch.multiprocessing's
+        reduction of the tensor)]), the tensors living in the trainer's process on that GPU, which must be this
+        process's. Returns how many; the copy is finished when it returns, so the trainer may free or overwrite its
+        tensors then. The trainer may number that GPU otherwise (it sees every GPU, this process only its own): a
+        handle is opened on this process's device (as vLLM's own IPC weight transfer does)."""
+        trainer_gpu, shared = pickle.loads(payload)
+        device = torch.cuda.current_device()
+        if gpu_uuid(device) != trainer_gpu:
+            raise RuntimeError(
+                f"vLLM's engine process runs on GPU {gpu_uuid(device)}, the trainer's weights are on {trainer_gpu}: "
+                "the engine process must start on the trainer's GPU (inference.vllm.only_gpu)"
+            )
+        weights = [(name, rebuild(*on_device(rebuild, args, device))) for name, (rebuild, args) in shared]
         self.model_runner.model.load_weights(weights=weights)
         torch.cuda.current_stream().synchronize()
         return len(weights)

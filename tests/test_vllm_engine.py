@@ -9,8 +9,10 @@ the vLLM smoke and log-prob gap runs)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -415,12 +417,18 @@ class FakeEngineProcess(FakeLLM):
 
 
 def engine_process(
-    monkeypatch: pytest.MonkeyPatch, events: list[Any], **settings: Any
+    monkeypatch: pytest.MonkeyPatch, events: list[Any], engine_gpu: str = "GPU-0", **settings: Any
 ) -> tuple[VLLMEngine, list[FakeEngineProcess]]:
     """A VLLMProcessEngine on FakeEngineProcess, its weights in 40 kB buckets. CUDA IPC itself needs a GPU: here a
     tensor's "handle" is its values (the GPU run checks the real one: the sampler's log-probs match the trainer's);
-    the handles shared are recorded in `events` as ("share", storage pointer); CUDA's synchronizations as events."""
+    the handles shared are recorded in `events` as ("share", storage pointer); CUDA's synchronizations as events.
+    The trainer's GPU is GPU-0, the engine process's `engine_gpu`."""
     import inference.vllm as vllm_module
+    import inference.vllm_worker as worker_module
+
+    monkeypatch.setattr(vllm_module, "gpu_uuid", lambda device: "GPU-0")
+    monkeypatch.setattr(worker_module, "gpu_uuid", lambda device: engine_gpu)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     def share(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
         events.append(("share", tensor.untyped_storage().data_ptr()))
@@ -536,13 +544,62 @@ def test_a_live_load_that_fails_breaks_the_engine_and_fails_its_requests(tiny, m
     engine.close()
 
 
-def test_an_engine_in_its_own_process_runs_on_one_rank_only() -> None:
+def test_an_engine_process_on_another_gpu_than_the_trainers_is_refused(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handles would open on that GPU's context (a copy across GPUs at best): the worker names both GPUs instead,
+    and the engine is broken."""
+    model, _ = tiny
+    engine, _ = engine_process(monkeypatch, [], engine_gpu="GPU-1")
+    with pytest.raises(RuntimeError, match="runs on GPU GPU-1, the trainer's weights are on GPU-0"):
+        engine.load(model)
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        engine.load(model)
+    engine.close()
+
+
+def test_a_shared_cuda_tensor_opens_on_the_engine_process_device() -> None:
+    """The trainer numbers its GPUs otherwise than the engine process, which sees only its own: a CUDA tensor's
+    reduction is opened on the engine process's device; any other reduction is left as it is."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from inference.vllm_worker import on_device
+
+    args = tuple(range(15))  # torch's rebuild_cuda_tensor takes 15, the device index 7th
+    assert on_device(rebuild_cuda_tensor, args, 0) == (0, 1, 2, 3, 4, 5, 0, *range(7, 15))
+    assert on_device(torch.tensor, args, 0) == args
+
+
+@pytest.mark.parametrize("before", [None, "4,5,6,7"])
+def test_the_engine_process_starts_seeing_only_the_ranks_gpu(
+    tiny, monkeypatch: pytest.MonkeyPatch, before: str | None
+) -> None:
+    """backend.vllm_own_process on several ranks: vLLM 0.20.2's engine process takes the first GPU it sees, so it
+    starts with CUDA_VISIBLE_DEVICES narrowed to the rank's GPU (rank 2's here: the third GPU this process sees; with
+    the weights in CPU memory, FSDP2's offload=all, the current GPU's), restored after; and the config allows it."""
     from backends.algorithm import GRPO
     from backends.trl.backend import TRLBackend
+    from inference.vllm import VLLMProcessEngine, only_gpu
 
-    with pytest.raises(ConfigError, match=r"backend\.vllm_own_process: one rank only"):
-        TRLBackend(vllm_own_process=True).check_settings(ranks=2, algo=GRPO())
-    TRLBackend(vllm_own_process=True).check_settings(ranks=1, algo=GRPO())
+    model, _ = tiny
+    if before is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    built: list[tuple[str | None, dict[str, Any]]] = []
+    vllm = SimpleNamespace(LLM=lambda **kwargs: built.append((os.environ.get("CUDA_VISIBLE_DEVICES"), kwargs)))
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    _start_llm(model, VLLMSettings(max_model_len=64, own_process=True), executor=VLLMProcessEngine._executor)
+    rank_gpu = "2" if before is None else "6"
+    assert built[0][0] == rank_gpu
+    assert built[0][1]["worker_extension_cls"] == "inference.vllm_worker.SharedWeights"
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+    with pytest.raises(ValueError, match="while"), only_gpu(torch.device("cuda", 1)):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ("1" if before is None else "5")
+        raise ValueError("while it starts")
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+    TRLBackend(vllm_own_process=True).check_settings(ranks=2, algo=GRPO())
 
 
 STARTER = """
@@ -679,7 +736,8 @@ def test_live_loads_turn_vllms_asynchronous_scheduling_off(tiny, monkeypatch: py
     built: list[dict[str, Any]] = []
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs)))
     for live in (True, False):
-        _start_llm(model, VLLMSettings(max_model_len=64, live_loads=live), executor=dict)
-    _start_llm(model, VLLMSettings(max_model_len=64, live_loads=True, own_process=True), executor=dict)
+        _start_llm(model, VLLMSettings(max_model_len=64, live_loads=live), executor=lambda _: nullcontext({}))
+    settings = VLLMSettings(max_model_len=64, live_loads=True, own_process=True)
+    _start_llm(model, settings, executor=lambda _: nullcontext({}))
     assert built[0]["async_scheduling"] is False and "async_scheduling" not in built[1]
     assert built[2]["async_scheduling"] is False  # its engine process too

@@ -61,7 +61,7 @@ class TRLBackend:
     vllm_prefix_caching: bool = True
     vllm_sleep: bool = True
     vllm_enforce_eager: bool = False
-    vllm_own_process: bool = False  # vLLM's engine core in a process of its own (weights over CUDA IPC); one rank
+    vllm_own_process: bool = False  # vLLM's engine core in a process of its own on the rank's GPU (weights: CUDA IPC)
     offload: str = one_of("none", OFFLOADS)  # trainer state on CPU: none, optimizer (while generating), all (FSDP2)
     memory_check: bool = True  # stop before the run starts when the memory plan does not fit the GPUs (false: warn)
     disk_check: bool = True  # stop before the run starts when the disk plan does not fit under the run (false: warn)
@@ -196,9 +196,6 @@ class TRLBackend:
         if algo.overlapped and algo.is_correction == "none":
             raise ConfigError("algorithm.async_rollouts trains one step off-policy: it needs the importance-sampling "
                               "correction (algorithm.is_correction, e.g. token_truncate)")  # fmt: skip
-        if self.vllm_own_process and ranks > 1:
-            raise ConfigError(f"backend.vllm_own_process: one rank only for now (vLLM's engine process would take "
-                              f"the first GPU on every rank; now {ranks} ranks): set it false")  # fmt: skip
         if self.offload == "all" and not (ranks > 1 and self.sharding == "fsdp2"):
             raise ConfigError(f"backend.offload=all: FSDP2 offloads, so it needs several ranks "
                               f"(resources.gpus_per_node > 1) and backend.sharding=fsdp2 (now {ranks} rank(s), "
