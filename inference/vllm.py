@@ -34,8 +34,8 @@
   engine), and a weight load sends CUDA IPC handles of the trainer's tensors (`inference/vllm_worker.py` loads them
   there, in buckets of `IPC_BUCKET_BYTES`): generation then competes with the update for the GPU only, not for the
   interpreter (asynchronous rollouts). On several ranks each rank's engine process starts seeing only that rank's GPU
-  (`only_gpu`: vLLM 0.20.2's takes the first it sees), opens the handles on it and checks by UUID that it is the
-  trainer's.
+  (`engine_process_environment`: vLLM 0.20.2's takes the first it sees; torchrun's store variable left out), opens
+  the handles on it and checks by UUID that it is the trainer's. The engine thread runs on `device` too.
 - Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
   rollout phase frees all of it (level 2: weights and KV cache), so the update has it; the next `load` wakes vLLM.
 
@@ -85,29 +85,30 @@ def gpu_uuid(device: torch.device | int) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+# torchrun's: a rank's process group connects to the agent's store. vLLM's engine process, a new process group of
+# one on a port of its own, would inherit it and wait for a store nobody serves (pytorch/pytorch#192113)
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
 @contextlib.contextmanager
-def only_gpu(device: torch.device) -> Iterator[None]:
-    """CUDA_VISIBLE_DEVICES narrowed to `device` (as this process numbers its GPUs; weights kept in CPU memory, FSDP2's
-    `offload=all`: this process's current GPU, where they are gathered) for the processes started meanwhile, which
-    inherit it; restored after. This process's own CUDA is started already and keeps every GPU. Without CUDA,
-    nothing."""
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if device.type == "cuda" and device.index is not None:
-        index = device.index
-    elif torch.cuda.is_available():
-        index = torch.cuda.current_device()
-    else:
-        yield
-        return
-    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index]
+def engine_process_environment(device: torch.device) -> Iterator[None]:
+    """The environment a vLLM engine process started meanwhile inherits (this process's own CUDA is started already
+    and keeps every GPU); restored after: CUDA_VISIBLE_DEVICES narrowed to `device` (as this process numbers its GPUs;
+    no index: the current one), and torchrun's AGENT_STORE_VARIABLE unset. Without CUDA, the variable alone."""
+    before = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", AGENT_STORE_VARIABLE)}
+    os.environ.pop(AGENT_STORE_VARIABLE, None)
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = torch.cuda.current_device() if device.index is None else device.index
+        visible = (before["CUDA_VISIBLE_DEVICES"] or "").split(",")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 INSTALL_HINT = "pip install -e '.[vllm]' -c constraints-vllm.txt"
@@ -143,6 +144,7 @@ class VLLMSettings:
     seed: int = 0
     dtype: torch.dtype | None = None  # the weights' dtype in vLLM (None: the model's; FSDP2 trains fp32 masters)
     live_loads: bool = False  # a load may come with requests in flight (partial rollouts; module docstring)
+    device: str = "cuda"  # the trainer's GPU on this rank (cuda:1): the engine thread's, and its own process's
 
 
 @dataclass
@@ -161,8 +163,8 @@ def _start_llm(
     executor: Callable[[torch.device], contextlib.AbstractContextManager[dict[str, Any]]],
 ) -> Any:
     """vLLM's `LLM` for `model`'s architecture, dummy weights (the first `load` sends the real ones); `executor`,
-    given the GPU of `model`'s weights, prepares where the engine runs while `LLM` starts and gives it the arguments
-    that say so."""
+    given the settings' device, prepares where the engine runs while `LLM` starts and gives it the arguments that say
+    so."""
     from vllm import LLM
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -172,7 +174,7 @@ def _start_llm(
     # a model built from a config has none; vLLM picks its class by it (FSDP2 renames a sharded model's class)
     config.architectures = [architecture(base)]
     config.save_pretrained(config_dir)
-    with executor(next(base.parameters()).device) as where:
+    with executor(torch.device(settings.device)) as where:
         return LLM(
             model=config_dir,
             runner="generate",
@@ -249,6 +251,7 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._asleep = False
         self._broken: BaseException | None = None
+        self._lock = threading.Lock()  # a command is queued before the engine breaks, or refused: never stranded
         self._thread: threading.Thread | None = None
         self.weight_loads = 0
         # weight loads with requests in flight (partial rollouts): those resumed under them (a request vLLM finished
@@ -326,12 +329,13 @@ class VLLMEngine:
 
     # ---- the engine thread --------------------------------------------------------------------------------------
     def _send(self, command: Callable[[], None]) -> None:
-        if self._broken is not None:
-            raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
-            self._thread.start()
-        self._inbox.put(command)
+        with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(f"the vLLM engine failed earlier: {self._broken!r}") from self._broken
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+                self._thread.start()
+            self._inbox.put(command)
 
     def _call(self, fn: Callable[[], None], while_running: bool = False) -> None:
         """Run `fn` on the engine thread, between two steps, and wait for it (sleep: only while no request is in
@@ -360,6 +364,13 @@ class VLLMEngine:
         future.result()
 
     def _run(self) -> None:
+        device = torch.device(self.settings.device)
+        if device.type == "cuda" and torch.cuda.is_available():
+            try:
+                torch.cuda.set_device(device)  # a new thread's current GPU is the first one
+            except BaseException as exc:
+                self._fail(exc)
+                return
         while True:
             try:  # take every command that arrived before stepping; block only when nothing runs
                 command = self._inbox.get_nowait() if self._pending else self._inbox.get()
@@ -375,7 +386,8 @@ class VLLMEngine:
 
     def _fail(self, exc: BaseException) -> None:
         """Mark the engine broken, fail every running request and every command still queued."""
-        self._broken = exc
+        with self._lock:  # a command sent from now on is refused; every one sent before is in the inbox
+            self._broken = exc
         pending, self._pending = list(self._pending.values()), {}
         for request in pending:
             request.done(exc)
@@ -478,12 +490,12 @@ class VLLMProcessEngine(VLLMEngine):
         """vLLM's multiprocess engine, its GPU worker extended to load weights from handles, started on `device`
         (vLLM 0.20.2's engine process takes the first GPU it sees: it sees only that one)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        with only_gpu(device):
+        with engine_process_environment(device):
             yield {"worker_extension_cls": "inference.vllm_worker.SharedWeights"}
 
     def close(self) -> None:
         super().close()
-        self._llm = None  # its process ended with the engine thread: a later load starts a new one
+        self._llm = None  # its process ended with the engine thread (an engine that failed stays broken)
 
     def _hold(self) -> None:
         """The engine process steps by itself: its scheduler paused, requests kept; returns once no step is in
@@ -512,9 +524,9 @@ class VLLMProcessEngine(VLLMEngine):
         torch.cuda.ipc_collect()  # what the engine process no longer holds is freed here
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        torch.cuda.synchronize()  # the tensors (copies, merged copies, gathers) are written, on any stream
-        gpu = gpu_uuid(bucket[0][1].device)  # every tensor of a rank is on its GPU
-        payload = pickle.dumps((gpu, [(name, share(tensor)) for name, tensor in bucket]))
+        gpu = bucket[0][1].device  # every tensor of a rank is on its GPU
+        torch.cuda.synchronize(gpu)  # the tensors (copies, merged copies, gathers) are written, on any stream
+        payload = pickle.dumps((gpu_uuid(gpu), [(name, share(tensor)) for name, tensor in bucket]))
         self._llm.collective_rpc("load_shared_weights", args=(payload,))
 
 

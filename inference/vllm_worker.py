@@ -66,7 +66,7 @@ class SharedWeights:
         if gpu_uuid(device) != trainer_gpu:
             raise RuntimeError(
                 f"vLLM's engine process runs on GPU {gpu_uuid(device)}, the trainer's weights are on {trainer_gpu}: "
-                "the engine process must start on the trainer's GPU (inference.vllm.only_gpu)"
+                "the engine process must start on the trainer's GPU (inference.vllm.engine_process_environment)"
             )
         weights = [(name, rebuild(*on_device(rebuild, args, device))) for name, (rebuild, args) in shared]
         self.model_runner.model.load_weights(weights=weights)

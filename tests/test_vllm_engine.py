@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import sys
 import threading
 from contextlib import nullcontext
@@ -436,7 +437,7 @@ def engine_process(
 
     monkeypatch.setattr(vllm_module, "share", share)
     monkeypatch.setattr(vllm_module, "IPC_BUCKET_BYTES", 40_000)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
     stream = SimpleNamespace(synchronize=lambda: events.append("worker sync"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: events.append("ipc_collect"))
@@ -556,49 +557,83 @@ def test_an_engine_process_on_another_gpu_than_the_trainers_is_refused(tiny, mon
     engine.close()
 
 
-def test_a_shared_cuda_tensor_opens_on_the_engine_process_device() -> None:
+def fake_rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """Stands in for torch's rebuild_cuda_tensor (pickled by name): a tensor holding the device it was opened on."""
+    return torch.tensor([float(args[6])])
+
+
+def test_a_shared_cuda_tensor_opens_on_the_engine_process_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer numbers its GPUs otherwise than the engine process, which sees only its own: a CUDA tensor's
-    reduction is opened on the engine process's device; any other reduction is left as it is."""
+    reduction is opened on the engine process's device (the 7th of torch's arguments is its device index); any other
+    reduction is left as it is."""
+    import inspect
+
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from inference.vllm_worker import on_device
+    import inference.vllm_worker as worker_module
+    from inference.vllm_worker import SharedWeights, on_device
 
-    args = tuple(range(15))  # torch's rebuild_cuda_tensor takes 15, the device index 7th
+    assert list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device") == 6
+    args = tuple(range(15))
     assert on_device(rebuild_cuda_tensor, args, 0) == (0, 1, 2, 3, 4, 5, 0, *range(7, 15))
     assert on_device(torch.tensor, args, 0) == args
+    monkeypatch.setattr(worker_module, "rebuild_cuda_tensor", fake_rebuild_cuda_tensor)
+    monkeypatch.setattr(worker_module, "gpu_uuid", lambda device: "GPU-a")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(synchronize=lambda: None))
+    loaded: list[tuple[str, torch.Tensor]] = []
+    worker = SharedWeights()
+    worker.model_runner = SimpleNamespace(model=SimpleNamespace(load_weights=lambda weights: loaded.extend(weights)))
+    sent_on_3 = (*range(6), 3, *range(7, 15))  # the trainer's GPU 3
+    assert worker.load_shared_weights(pickle.dumps(("GPU-a", [("w", (fake_rebuild_cuda_tensor, sent_on_3))]))) == 1
+    assert loaded[0][0] == "w" and loaded[0][1].tolist() == [0.0]  # opened on this process's device 0
 
 
 @pytest.mark.parametrize("before", [None, "4,5,6,7"])
-def test_the_engine_process_starts_seeing_only_the_ranks_gpu(
-    tiny, monkeypatch: pytest.MonkeyPatch, before: str | None
-) -> None:
+def test_the_engine_process_starts_on_the_ranks_gpu(tiny, monkeypatch: pytest.MonkeyPatch, before: str | None) -> None:
     """backend.vllm_own_process on several ranks: vLLM 0.20.2's engine process takes the first GPU it sees, so it
-    starts with CUDA_VISIBLE_DEVICES narrowed to the rank's GPU (rank 2's here: the third GPU this process sees; with
-    the weights in CPU memory, FSDP2's offload=all, the current GPU's), restored after; and the config allows it."""
+    starts with CUDA_VISIBLE_DEVICES narrowed to the rank's GPU (the settings' device, rank 2's here: the third GPU
+    this process sees), and without torchrun's agent-store variable (its own process group would wait for a store
+    nobody serves), both restored after, also after an error; the engine's thread runs on that GPU; the config allows
+    it. The GPU itself: the trainer's UUID is its weights' GPU's."""
+    import inference.vllm as vllm_module
     from backends.algorithm import GRPO
     from backends.trl.backend import TRLBackend
-    from inference.vllm import VLLMProcessEngine, only_gpu
+    from inference.vllm import AGENT_STORE_VARIABLE, VLLMProcessEngine, engine_process_environment
 
     model, _ = tiny
     if before is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv(AGENT_STORE_VARIABLE, "True")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
-    built: list[tuple[str | None, dict[str, Any]]] = []
-    vllm = SimpleNamespace(LLM=lambda **kwargs: built.append((os.environ.get("CUDA_VISIBLE_DEVICES"), kwargs)))
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    _start_llm(model, VLLMSettings(max_model_len=64, own_process=True), executor=VLLMProcessEngine._executor)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the calling thread's: not the rank's
+    built: list[tuple[str | None, str | None, dict[str, Any]]] = []
+
+    def llm(**kwargs: Any) -> None:
+        built.append((os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get(AGENT_STORE_VARIABLE), kwargs))
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=llm))
+    settings = VLLMSettings(max_model_len=64, own_process=True, device="cuda:2")
+    _start_llm(model, settings, executor=VLLMProcessEngine._executor)
     rank_gpu = "2" if before is None else "6"
-    assert built[0][0] == rank_gpu
-    assert built[0][1]["worker_extension_cls"] == "inference.vllm_worker.SharedWeights"
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
-    with pytest.raises(ValueError, match="while"), only_gpu(torch.device("cuda", 1)):
+    assert built[0][:2] == (rank_gpu, None)
+    assert built[0][2]["worker_extension_cls"] == "inference.vllm_worker.SharedWeights"
+    assert (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ[AGENT_STORE_VARIABLE]) == (before, "True")
+    with pytest.raises(ValueError, match="while"), engine_process_environment(torch.device("cuda", 1)):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ("1" if before is None else "5")
         raise ValueError("while it starts")
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+    assert (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ[AGENT_STORE_VARIABLE]) == (before, "True")
+
+    devices: list[tuple[str, Any]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append((threading.current_thread().name, d)))
+    engine, started = engine_process(monkeypatch, [], engine_gpu="GPU-cpu", device="cuda:2")
+    monkeypatch.setattr(vllm_module, "gpu_uuid", lambda device: f"GPU-{device}")  # the tensors' GPU (here the CPU)
+    engine.load(model)
+    engine.close()
+    assert devices == [("vllm-engine", torch.device("cuda", 2))]
+    assert started[0].loaded_weights  # the UUIDs matched: the trainer's is its weights' device's
     TRLBackend(vllm_own_process=True).check_settings(ranks=2, algo=GRPO())
 
 

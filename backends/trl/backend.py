@@ -94,6 +94,7 @@ class TRLBackend:
                     own_process=self.vllm_own_process,
                     dtype=dtype,
                     live_loads=live_loads,
+                    device=self.resolved_device(),
                 ),
             )
         return self._engine
