@@ -365,9 +365,9 @@ class VLLMEngine:
 
     def _run(self) -> None:
         device = torch.device(self.settings.device)
-        if device.type == "cuda" and torch.cuda.is_available():
+        if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
             try:
-                torch.cuda.set_device(device)  # a new thread's current GPU is the first one
+                torch.cuda.set_device(device)  # a new thread's current GPU is the first one (`cuda`'s)
             except BaseException as exc:
                 self._fail(exc)
                 return

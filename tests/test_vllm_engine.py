@@ -627,13 +627,19 @@ def test_the_engine_process_starts_on_the_ranks_gpu(tiny, monkeypatch: pytest.Mo
     assert (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ[AGENT_STORE_VARIABLE]) == (before, "True")
 
     devices: list[tuple[str, Any]] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.append((threading.current_thread().name, d)))
-    engine, started = engine_process(monkeypatch, [], engine_gpu="GPU-cpu", device="cuda:2")
-    monkeypatch.setattr(vllm_module, "gpu_uuid", lambda device: f"GPU-{device}")  # the tensors' GPU (here the CPU)
-    engine.load(model)
-    engine.close()
+
+    def set_device(device: Any) -> None:
+        torch.cuda._utils._get_device_index(device)  # torch's own check: `cuda` alone is refused
+        devices.append((threading.current_thread().name, device))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for rank_device in ("cuda:2", "cuda"):  # on several ranks; on one (the first GPU, a new thread's own)
+        engine, started = engine_process(monkeypatch, [], engine_gpu="GPU-cpu", device=rank_device)
+        monkeypatch.setattr(vllm_module, "gpu_uuid", lambda device: f"GPU-{device}")  # the tensors' GPU (the CPU)
+        engine.load(model)
+        engine.close()
+        assert started[0].loaded_weights  # the UUIDs matched: the trainer's is its weights' GPU's
     assert devices == [("vllm-engine", torch.device("cuda", 2))]
-    assert started[0].loaded_weights  # the UUIDs matched: the trainer's is its weights' device's
     TRLBackend(vllm_own_process=True).check_settings(ranks=2, algo=GRPO())
 
 
