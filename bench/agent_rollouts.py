@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     from backends.memory import DeviceMemory
+    from backends.samples import EXCLUSION_REASONS
     from backends.trl.arms import passthrough_reward
     from backends.trl.rollouts import AgentRollouts, task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
@@ -266,6 +267,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "weight_sync_s": stats["timing_s/weight_sync"],
                         "generated_tokens": rollouts.last_tokens["generated"],  # the step's batch's
                         "excluded_rate": stats["rollout/excluded_rate"],
+                        "excluded_rates": {  # by reason: stale is partial rollouts' bound (algorithm.max_staleness)
+                            reason: stats[f"rollout/excluded_{reason}_rate"] for reason in EXCLUSION_REASONS
+                        },
                         "llm_calls_mean": stats["rollout/llm_calls_mean"],
                         "update_s": trainer.phase_s.get("update", 0.0),
                         "scoring_s": trainer.phase_s.get("generation", 0.0)
