@@ -35,7 +35,8 @@
   there, in buckets of `IPC_BUCKET_BYTES`): generation then competes with the update for the GPU only, not for the
   interpreter (asynchronous rollouts). On several ranks each rank's engine process starts seeing only that rank's GPU
   (`engine_process_environment`: vLLM 0.20.2's takes the first it sees; torchrun's store variable left out), opens
-  the handles on it and checks by UUID that it is the trainer's. The engine thread runs on `device` too.
+  the handles on it and checks by UUID that it is the trainer's. The engine thread runs on the rank's GPU
+  (`VLLMSettings.device`; on one GPU, the first).
 - Memory: vLLM takes `gpu_memory_utilization` of the GPU for its weights and KV cache. With `sleep`, `sleep()` after a
   rollout phase frees all of it (level 2: weights and KV cache), so the update has it; the next `load` wakes vLLM.
 
@@ -96,12 +97,14 @@ def engine_process_environment(device: torch.device) -> Iterator[None]:
     and keeps every GPU); restored after: CUDA_VISIBLE_DEVICES narrowed to `device` (as this process numbers its GPUs;
     no index: the current one), and torchrun's AGENT_STORE_VARIABLE unset. Without CUDA, the variable alone."""
     before = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", AGENT_STORE_VARIABLE)}
-    os.environ.pop(AGENT_STORE_VARIABLE, None)
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = torch.cuda.current_device() if device.index is None else device.index
-        visible = (before["CUDA_VISIBLE_DEVICES"] or "").split(",")
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
     try:
+        os.environ.pop(AGENT_STORE_VARIABLE, None)
+        if device.type == "cuda" and torch.cuda.is_available():
+            index = torch.cuda.current_device() if device.index is None else device.index
+            visible = (before["CUDA_VISIBLE_DEVICES"] or "").split(",")
+            if visible != [""] and index >= len(visible):
+                raise RuntimeError(f"GPU {index} for vLLM's engine process: CUDA_VISIBLE_DEVICES={visible} lists fewer")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[index] if visible != [""] else str(index)
         yield
     finally:
         for name, value in before.items():
@@ -364,13 +367,13 @@ class VLLMEngine:
         future.result()
 
     def _run(self) -> None:
-        device = torch.device(self.settings.device)
-        if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
-            try:
+        try:
+            device = torch.device(self.settings.device)
+            if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
                 torch.cuda.set_device(device)  # a new thread's current GPU is the first one (`cuda`'s)
-            except BaseException as exc:
-                self._fail(exc)
-                return
+        except BaseException as exc:
+            self._fail(exc)
+            return
         while True:
             try:  # take every command that arrived before stepping; block only when nothing runs
                 command = self._inbox.get_nowait() if self._pending else self._inbox.get()
