@@ -627,7 +627,7 @@ def test_the_engine_process_starts_on_the_ranks_gpu(tiny, monkeypatch: pytest.Mo
     assert (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ[AGENT_STORE_VARIABLE]) == (before, "True")
     if before is not None:  # a GPU the variable does not list is named, and nothing is left changed
         with (
-            pytest.raises(RuntimeError, match="GPU 9 .* lists fewer"),
+            pytest.raises(RuntimeError, match=r"GPU 9 .* lists fewer"),
             engine_process_environment(torch.device("cuda", 9)),
         ):
             pass
