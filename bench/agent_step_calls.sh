@@ -18,7 +18,8 @@
 # after 1 warm-up, micro-batch 4, vLLM at 0.3 of the GPU: what bench/README.md's earlier rows ran):
 #   sync         synchronous, vLLM in the trainer's process (the default)
 #   own          algorithm.async_rollouts with backend.vllm_own_process=true (the fastest step so far)
-#   own-partial  the same with algorithm.partial_rollouts
+#   own-partial  the same with algorithm.partial_rollouts (which also turns vLLM's asynchronous scheduling off:
+#                vllm-project/vllm#42043; `own` keeps vLLM's default, on)
 #   in-partial   partial rollouts with vLLM in the trainer's process
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
