@@ -527,12 +527,7 @@ def test_a_live_load_that_fails_breaks_the_engine_and_fails_its_requests(tiny, m
             engine.load(model)
 
     async def go() -> None:
-        long = asyncio.ensure_future(engine.submit([5, 6, 7], 20, temperature=1.0, top_p=1.0, eos_ids=set()))
-        for _ in range(3000):  # until the engine thread runs it (at most 30 s)
-            await asyncio.sleep(0.01)
-            if fake.running:
-                break
-        assert fake.running, "the engine never took the request"
+        long = await long_request_running(engine, fake)
         await asyncio.to_thread(failing_load)
         with pytest.raises(RuntimeError, match="bucket failed"):
             await long  # answered, not left waiting for a paused engine
@@ -710,17 +705,24 @@ def test_vllms_engine_process_ends_when_the_trainer_is_killed(tmp_path: Path, na
             child.kill()
 
 
+async def long_request_running(engine: VLLMEngine, fake: FakeLLM) -> asyncio.Future[Any]:
+    """A 20-token request (with `fake.hold_long_until_adds = 2` it cannot end before a second request comes), once
+    the engine runs it (at most 30 s)."""
+    long = asyncio.ensure_future(engine.submit([5, 6, 7], 20, temperature=1.0, top_p=1.0, eos_ids=set()))
+    for _ in range(3000):
+        await asyncio.sleep(0.01)
+        if fake.running:
+            break
+    assert fake.running, "the engine never took the request"
+    return long
+
+
 def long_request_in_flight(engine: VLLMEngine, fake: FakeLLM, between: Any) -> tuple[Any, Any]:
     """A 20-token request that cannot end before a second request comes; `between()` runs (in a worker thread) once
     the engine runs it, then the second request is sent. Both completions."""
 
     async def go() -> tuple[Any, Any]:
-        long = asyncio.ensure_future(engine.submit([5, 6, 7], 20, temperature=1.0, top_p=1.0, eos_ids=set()))
-        for _ in range(3000):  # until the engine thread runs it (at most 30 s)
-            await asyncio.sleep(0.01)
-            if fake.running:
-                break
-        assert fake.running, "the engine never took the request"
+        long = await long_request_running(engine, fake)
         await asyncio.to_thread(between)
         short = await engine.submit([1, 2], 3, temperature=1.0, top_p=1.0, eos_ids=set())
         return await long, short
