@@ -67,6 +67,7 @@ import torch
 from transformers import PreTrainedModel
 
 from inference.engine import Completion, finish
+from inference.vllm_worker import gpu_uuid
 from inference.weights import full_weights
 
 log = logging.getLogger(__name__)
@@ -79,11 +80,6 @@ def share(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any,
     from torch.multiprocessing.reductions import reduce_tensor
 
     return reduce_tensor(tensor)
-
-
-def gpu_uuid(device: torch.device | int) -> str:
-    """The GPU's UUID: the same GPU whatever number a process gives it."""
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 # torchrun's: a rank's process group connects to the agent's store. vLLM's engine process, a new process group of

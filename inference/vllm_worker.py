@@ -37,8 +37,8 @@ def die_with_parent() -> None:
 die_with_parent()
 
 
-def gpu_uuid(device: int) -> str:
-    """The GPU's UUID (inference.vllm.gpu_uuid: this module imports nothing of the project's)."""
+def gpu_uuid(device: torch.device | int) -> str:
+    """The GPU's UUID: the same GPU whatever number a process gives it (the trainer's side uses it too)."""
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
@@ -63,9 +63,9 @@ class SharedWeights:
         handle is opened on this process's device (as vLLM's own IPC weight transfer does)."""
         trainer_gpu, shared = pickle.loads(payload)
         device = torch.cuda.current_device()
-        if gpu_uuid(device) != trainer_gpu:
+        if (engine_gpu := gpu_uuid(device)) != trainer_gpu:
             raise RuntimeError(
-                f"vLLM's engine process runs on GPU {gpu_uuid(device)}, the trainer's weights are on {trainer_gpu}: "
+                f"vLLM's engine process runs on GPU {engine_gpu}, the trainer's weights are on {trainer_gpu}: "
                 "the engine process must start on the trainer's GPU (inference.vllm.engine_process_environment)"
             )
         weights = [(name, rebuild(*on_device(rebuild, args, device))) for name, (rebuild, args) in shared]
