@@ -93,6 +93,41 @@ class HalfReward:
         return float(len(trajectory.messages[-1]["content"]) % 2)
 
 
+def agent_trainer(
+    model: Any,
+    tokenizer: Any,
+    tasks: list[dict[str, Any]],
+    rollout_func: Callable[..., dict[str, Any]],
+    out: Path,
+    group: int,
+    tasks_per_step: int,
+    lookahead: bool,
+    callbacks: list[Any] | None = None,
+) -> Any:
+    """The GRPO trainer the rollout tests train through: two epochs over `tasks` on CPU, micro-batches of 2, the
+    rollouts' rewards as they come ("half"), token-truncated IS correction; `lookahead` for asynchronous rollouts."""
+    from datasets import Dataset
+
+    from backends.algorithm import GRPO
+    from backends.trl.arms import passthrough_reward
+    from backends.trl.backend import TRLBackend
+    from backends.trl.rollouts import task_prompt
+    from backends.trl.trainer import AgentGRPOTrainer
+
+    algo = GRPO(group_size=group, tasks_per_step=tasks_per_step, micro_batch_size=2, epochs=2, save_every=100)
+    return AgentGRPOTrainer(
+        model=model,
+        reward_funcs=[passthrough_reward("half")],
+        args=TRLBackend().grpo_config(algo, str(out), seed=0, device="cpu"),
+        train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in tasks]),
+        processing_class=tokenizer,
+        rollout_func=rollout_func,
+        callbacks=callbacks,
+        is_correction="token_truncate",
+        lookahead=lookahead,
+    )
+
+
 def launch(
     args: list[str], cache: Path, output: Path, timeout: int = 600, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -13,19 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from datasets import Dataset
 from transformers import TrainerCallback
 
 from agent.llm import OpenAIChat
 from agent.trajectory import Trajectory
-from backends.algorithm import GRPO
-from backends.trl.arms import passthrough_reward
-from backends.trl.backend import TRLBackend
-from backends.trl.rollouts import AgentRollouts, task_prompt
-from backends.trl.trainer import AgentGRPOTrainer
+from backends.trl.rollouts import AgentRollouts
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
-from tests.conftest import FAST_RUN, HalfReward, launch, micro_tiny
+from tests.conftest import FAST_RUN, HalfReward, agent_trainer, launch, micro_tiny
 
 GROUP, TASKS_PER_STEP = 2, 2
 BATCH = GROUP * TASKS_PER_STEP
@@ -88,18 +83,9 @@ def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts
         asked.append([p for p in prompts])
         return rollouts(prompts, trainer)
 
-    algo = GRPO(group_size=GROUP, tasks_per_step=TASKS_PER_STEP, micro_batch_size=2, epochs=2, save_every=100)
     record = StepRecord(agent, rollouts)
-    trainer = AgentGRPOTrainer(
-        model=model,
-        reward_funcs=[passthrough_reward("half")],
-        args=TRLBackend().grpo_config(algo, str(tmp_path / "out"), seed=0, device="cpu"),
-        train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in TASKS]),
-        processing_class=tokenizer,
-        rollout_func=rollout_func,
-        callbacks=[record],
-        is_correction="token_truncate",
-        lookahead=asynchronous,
+    trainer = agent_trainer(
+        model, tokenizer, TASKS, rollout_func, tmp_path / "out", GROUP, TASKS_PER_STEP, asynchronous, [record]
     )
     trainer.train()
     assert trainer.state.global_step == 6

@@ -20,24 +20,21 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from datasets import Dataset
 
 from agent.llm import OpenAIChat
 from agent.rollout import Rollout
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
 from backends.samples import flatten
-from backends.trl.arms import passthrough_reward
 from backends.trl.backend import TRLBackend
-from backends.trl.rollouts import AgentRollouts, Generated, GenerationLoop, InFlight, task_prompt
-from backends.trl.trainer import AgentGRPOTrainer
+from backends.trl.rollouts import AgentRollouts, Generated, GenerationLoop, InFlight
 from inference.engine import Completion
 from inference.hf import HFGenerate
 from inference.ledger import CallRecord, ChatRequest, TokenLedger
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
 from models.chat import ChatFormat
-from tests.conftest import HalfReward, micro_tiny
+from tests.conftest import HalfReward, agent_trainer, micro_tiny
 
 GROUP, TASKS_PER_STEP, STEPS = 2, 2, 6
 QUESTIONS = ["How many?", "Again.", "Count them.", "Which one?", "Show all.", "List them."]
@@ -151,17 +148,7 @@ def test_a_batch_read_ahead_finishes_under_the_next_weights_each_token_as_it_was
         partial=True,
         max_staleness=1,
     )
-    algo = GRPO(group_size=GROUP, tasks_per_step=TASKS_PER_STEP, micro_batch_size=2, epochs=2, save_every=100)
-    trainer = AgentGRPOTrainer(
-        model=model,
-        reward_funcs=[passthrough_reward("half")],
-        args=TRLBackend().grpo_config(algo, str(tmp_path / "out"), seed=0, device="cpu"),
-        train_dataset=Dataset.from_list([{"prompt": task_prompt(t)} for t in TASKS]),
-        processing_class=tokenizer,
-        rollout_func=rollouts,
-        is_correction="token_truncate",
-        lookahead=True,
-    )
+    trainer = agent_trainer(model, tokenizer, TASKS, rollouts, tmp_path / "out", GROUP, TASKS_PER_STEP, lookahead=True)
     trainer.train()
     assert trainer.state.global_step == STEPS
 
