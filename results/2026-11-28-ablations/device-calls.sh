@@ -8,7 +8,10 @@
 #     pool (the pool is not in the warm start's key), then each cell's pool (the pool depends on the agent and the
 #     lengths: every cell samples its own) by a one-step run of every cell from that warm start, side by side (in
 #     /tmp/prep, not returned, no test split scored; the pilot sampled the baseline's pool in the build run, before
-#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest); ~400 s for W=0 and W=1 on one H200
+#     the others: the baseline's pool's ~2 minutes of sampling ahead of the rest); ~400 s for W=0 and W=1 on one H200;
+#     then the short-context cell's runs start (seeds 2W and 2W+1, in /tmp/out) if 120 s are left before LIMIT, stop
+#     at it with a checkpoint and resume in cells-b (from round 5 on: in round 4, cells-b's LIMIT stopped two of them
+#     short of their budget, README.md)
 #   MODE=cells-a (the same WSg): the baseline and no-check-step cells, seeds 2W and 2W+1 (four runs a warm start); at
 #     equal FLOPs the no-check cell takes ~2.2x the steps (the pilot: ~415), more than a call's beside the baseline:
 #     its runs stop at LIMIT with a checkpoint and resume in cells-b
@@ -90,6 +93,7 @@ prep() {  # prep GPU W: W's warm start built once, then every cell's pool from i
     || { echo "no warm start built for W=$w" >> $OUT/ws$w-build.log; return 1; }
   for c in baseline nocheck oneturn short; do cell $gpu $w $c /tmp/prep $once $(cat /tmp/cache/ws$w.args) & done
   wait
+  cells $gpu $w short  # a head start in this call's time left (cell() starts nothing with under 120 s)
 }
 ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 pids=()
