@@ -7,6 +7,8 @@ names the comparisons of one family; each is tested at the level of the independ
 `compare`: runs paired by seed and warm start, the pairs of one warm start averaged first), its p adjusted by Holm
 over the family, its look at the test split recorded in the runs' `ledger.jsonl`. Everything else is exploratory and
 says so. `--no-test`: an interim report (a study still running) that reads no test score and records no look.
+`--unfinished-as SCORE`: the declared comparisons again with every run that started and did not complete scored
+SCORE (`imputed`), a bound on what the runs lost could do to each verdict, beside it.
 
 Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths,
 analysis); a cell is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95%
@@ -41,7 +43,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis.runs import COMPLETED, WANDB_PREFIX, Run, load
+from analysis.runs import COMPLETED, NOT_STARTED, WANDB_PREFIX, Run, load
 from analysis.verdicts import (
     EXPLORATORY,
     LEDGER,
@@ -107,8 +109,11 @@ def final_subsets(run: Run, split: str = "val") -> dict[str, float]:
 
 
 def warm_start_of(run: Run) -> str | None:
-    """The digest of the weights the run's training started from (a warm start's), where it has one."""
-    return (run.summary.get("sft") or {}).get("weights_sha256")
+    """The digest of the weights the run's training started from (a warm start's), where it has one: its summary's,
+    else the digest its config pinned (`warmstart.weights_sha256`, which a run refuses to start from other weights
+    under): a run stopped before its summary's end still pairs with its twins."""
+    digest = (run.summary.get("sft") or {}).get("weights_sha256")
+    return digest if digest is not None else run.value("warmstart.weights_sha256")
 
 
 def cluster_of(run: Run, key: str) -> str | None:
@@ -632,12 +637,15 @@ class Report:
     study: Study  # what the runs declared (`analysis`)
     declared: list[Verdict]  # the declared comparisons on the study's metric, Holm-adjusted together
     by_cluster: pd.DataFrame  # each warm start's mean difference per declared comparison (empty: none to show)
+    unfinished_as: float | None = None  # the score the sensitivity block gives each run that started and did not end
+    imputed: list[str] = dataclasses.field(default_factory=list)  # those runs (`unfinished_as` set)
+    sensitivity: list[Verdict] = dataclasses.field(default_factory=list)  # the declared ones again, those runs scored
 
     @property
     def judged(self) -> list[tuple[str, Verdict]]:
         """Every verdict with the metric it judged: what a look at the test split records."""
         lines = [*self.verdicts, *self.subset_verdicts, *self.pairs]
-        out = [(self.study.metric, v) for v in self.declared]
+        out = [(self.study.metric, v) for v in [*self.declared, *self.sensitivity]]
         return out + [(self.metric, line.verdict) for line in lines if line.verdict is not None]
 
 
@@ -669,9 +677,22 @@ def _renamed(verdict: Verdict | None, metric: str) -> Verdict | None:
     return None if verdict is None else dataclasses.replace(verdict, name=f"{metric}: {verdict.name}")
 
 
-def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]]:
+def imputed(table: pd.DataFrame, metric: str, value: float) -> tuple[pd.DataFrame, list[str]]:
+    """The run table with every run that started and did not complete (failed, interrupted, unfinished: not `not
+    started`) counted as completed with `metric` = `value`, and those runs: a bound on what the runs lost could do
+    to a verdict (worst-case imputation where `value` is the metric's worst), never the verdict itself."""
+    lost = (table.status != COMPLETED) & (table.status != NOT_STARTED)
+    out = table.copy()
+    out.loc[lost, metric] = value
+    out.loc[lost, "items"] = None  # no question was scored: the bootstrap over questions leaves such pairs out
+    out.loc[lost, "status"] = COMPLETED
+    return out, list(table.run[lost])
+
+
+def build(runs: list[Run], metric: str | None = None, unfinished_as: float | None = None) -> tuple[Report, list[str]]:
     """`metric`: what the exploratory tables compare (default: the declared metric where comparisons are declared,
-    else `val_final`); declared comparisons are always judged on the study's own metric."""
+    else `val_final`); declared comparisons are always judged on the study's own metric. `unfinished_as`: the
+    declared comparisons also with each run that started and did not complete scored that (`imputed`)."""
     study = study_of(runs)
     metric = metric or (study.metric if study.comparisons else "val_final")
     factors = factor_keys(runs)
@@ -692,6 +713,15 @@ def build(runs: list[Run], metric: str | None = None) -> tuple[Report, list[str]
     pairs = treatment_pairs(table, factors, metric, unit=unit)
     by_cluster = per_cluster(table, study, study.metric)
     report = Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl, by_cluster)
+    if unfinished_as is not None and study.comparisons:
+        filled, report.imputed = imputed(table, study.metric, unfinished_as)
+        if report.imputed:
+            name = f"unfinished at {unfinished_as:g}"
+            report.sensitivity = [
+                dataclasses.replace(v, name=f"{v.name} ({name})", role="sensitivity")
+                for v in declared(filled, study, study.metric)
+            ]
+        report.unfinished_as = unfinished_as
     return report, factors
 
 
@@ -711,6 +741,10 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         intro += " " + looks[""]
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
     out.append(("Declared comparisons", _declared_text(report, looks), None))
+    if report.unfinished_as is not None and report.study.comparisons:
+        out.append(
+            (f"Declared comparisons, unfinished runs scored {report.unfinished_as:g}", _sensitivity_text(report), None)
+        )
     if len(report.by_cluster) > 1:
         unit = unit_of(report.study)
         text = (
@@ -795,6 +829,30 @@ def _declared_text(report: Report, looks: dict[str, str]) -> str:
     return text + "\n".join(
         f"- {_declared_line(v, family, study.metric, looks.get(v.name, ''))}" for v in report.declared
     )
+
+
+def _sensitivity_text(report: Report) -> str:
+    """The declared comparisons again with the runs that started and did not complete scored `unfinished_as`, and
+    whether each verdict agrees with the declared one."""
+    metric, value = report.study.metric, report.unfinished_as
+    if not report.imputed:
+        return "Every run that started completed: the declared verdicts above stand for all of them."
+    text = (
+        f"A bound, not a verdict (`--unfinished-as {value:g}`): the declared comparisons again with each of the "
+        f"{len(report.imputed)} runs that started and did not complete ({', '.join(report.imputed)}) scored "
+        f"{value:g} on `{metric}` and paired with its twins, Holm over the same family. The runs a "
+        "verdict above leaves out are the ones that did not complete; where an arm loses runs more often than its "
+        "twin, the runs left flatter it, and this block shows how far the verdict rests on that. A verdict that "
+        "differs here depends on the runs lost.\n\n"
+    )
+    lines = []
+    for declared_verdict, bound in zip(report.declared, report.sensitivity, strict=True):
+        same = bound.outcome == declared_verdict.outcome and (  # beyond noise: on the same side of 0 too
+            bound.outcome != "beyond noise" or (bound.comparison.diff > 0) == (declared_verdict.comparison.diff > 0)
+        )
+        agree = "agrees with the declared verdict" if same else "**differs from the declared verdict**"
+        lines.append(f"- {_declared_line(bound, len(report.sensitivity), metric, agree)}")
+    return text + "\n".join(lines)
 
 
 def _html_text(text: str) -> str:
@@ -891,9 +949,19 @@ def main(argv: list[str] | None = None) -> Path:
         help="leave every test-split score unread (an interim report on a study still running, or while tuning): "
         "test columns empty, no declared verdict, no look in the ledger",
     )
+    parser.add_argument(
+        "--unfinished-as",
+        type=float,
+        metavar="SCORE",
+        help="the declared comparisons again with every run that started and did not complete (failed, "
+        "interrupted) scored SCORE on the study's metric, in its own units (accuracy: 0 to 1): a bound on what the "
+        "runs lost could do to each verdict (0: the worst case), beside the declared verdicts, never instead",
+    )
     args = parser.parse_args(argv)
     if args.no_test and args.metric and args.metric.startswith("test"):
         parser.error(f"--metric {args.metric} reads the test split, which --no-test leaves unread")
+    if args.no_test and args.unfinished_as is not None:
+        parser.error("--unfinished-as bounds the declared verdicts, which --no-test leaves unjudged")
     local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
     out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
     try:
@@ -905,7 +973,7 @@ def main(argv: list[str] | None = None) -> Path:
     if args.no_test:
         runs = [without_test(run) for run in runs]
     try:
-        report, factors = build(runs, args.metric or ("val_final" if args.no_test else None))
+        report, factors = build(runs, args.metric or ("val_final" if args.no_test else None), args.unfinished_as)
     except ValueError as exc:
         parser.error(str(exc))
     test = write(report, runs, factors, args.sources, out, ledger_folder(local) if local else out, not args.no_test)

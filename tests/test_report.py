@@ -839,3 +839,55 @@ def test_an_interim_report_leaves_the_test_split_unread(tmp_path: Path) -> None:
     hidden = report.without_test(run)
     assert run.items.get("test_final") and not hidden.items
     assert not [k for m in hidden.metrics for k in m if k.startswith("test/")]
+
+
+def test_runs_lost_before_their_end_are_bounded_beside_the_declared_verdicts(tmp_path: Path) -> None:
+    """One GRPO run a warm start stopped before its end (`interrupted`, no `sft` block in its summary, as a stopped
+    run writes it): the declared verdicts leave them out (GRPO still beyond noise on the six pairs left), and
+    `--unfinished-as 0` judges the same family again with them scored 0 and paired with their twins through the
+    digest their config pinned: GRPO's verdict then differs (beyond noise the other way), RFT's (no run lost) agrees;
+    both go into the ledger
+    under their own names; not asked for, no such block; with --no-test, refused."""
+    write_study(tmp_path / "study", DECLARED, STEADY)
+    lost = []
+    for run in sorted((tmp_path / "study").iterdir(), key=lambda p: int(p.name)):
+        config = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+        warm = config["warmstart"]["seed"]
+        if config["algorithm"]["name"] != "grpo" or str(warm) in lost:
+            continue
+        lost.append(str(warm))
+        config["warmstart"]["weights_sha256"] = f"warm{warm}"
+        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+        summary = json.loads((run / "summary.json").read_text())
+        del summary["sft"]
+        (run / "summary.json").write_text(json.dumps(summary | {"status": "interrupted"}))
+        metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({k: v for k, v in m.items() if k != "test/accuracy"}) + "\n" for m in metrics)
+        )
+    assert len(lost) == 3
+    runs = report.load([str(tmp_path / "study")])
+    plain, _ = report.build(runs)
+    assert plain.sensitivity == [] and plain.unfinished_as is None
+    built, _ = report.build(runs, unfinished_as=0.0)
+    assert [v.outcome for v in built.declared] == [v.outcome for v in plain.declared] == ["beyond noise"] * 2
+    assert built.declared[0].comparison.test == "paired at the warm start level (3 warm starts, 6 pairs)"
+    assert len(built.imputed) == 3 and all(name.startswith("study/") for name in built.imputed)
+    grpo, rft = built.sensitivity
+    assert (grpo.name, grpo.role) == ("grpo_vs_control (unfinished at 0)", "sensitivity")
+    assert grpo.comparison.test == "paired at the warm start level (3 warm starts, 9 pairs)"
+    # three pairs at 0 - ~0.3, one a warm start: beyond noise again, on the other side of 0
+    assert grpo.comparison.diff < 0 and grpo.outcome == "beyond noise"
+    assert rft.comparison.diff == pytest.approx(built.declared[1].comparison.diff) and rft.outcome == "beyond noise"
+    out = report.main([str(tmp_path / "study"), "--unfinished-as", "0", "--out", str(tmp_path / "r")])
+    section = out_tables((out / "report.md").read_text())["Declared comparisons, unfinished runs scored 0"]
+    assert "A bound, not a verdict (`--unfinished-as 0`)" in section and "the 3 runs that started" in section
+    lines = {x.split("**")[1]: x for x in section.splitlines() if x.startswith("- **")}
+    assert "**differs from the declared verdict**" in lines["grpo_vs_control (unfinished at 0)"]
+    assert "agrees with the declared verdict" in lines["rft_vs_control (unfinished at 0)"]
+    (look,) = [json.loads(x) for x in (tmp_path / "study" / "ledger.jsonl").read_text().splitlines()]
+    assert look["runs"] == 24 and look["verdicts"]["grpo_vs_control (unfinished at 0)"]["diff"] < 0
+    assert look["verdicts"]["grpo_vs_control"]["outcome"] == "beyond noise"
+    assert "unfinished runs scored" not in (report.main([str(tmp_path / "study")]) / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path / "study"), "--no-test", "--unfinished-as", "0", "--out", str(tmp_path / "x")])
