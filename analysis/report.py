@@ -8,7 +8,7 @@ names the comparisons of one family; each is tested at the level of the independ
 over the family, its look at the test split recorded in the runs' `ledger.jsonl`. Everything else is exploratory and
 says so. `--no-test`: an interim report (a study still running) that reads no test score and records no look.
 `--unfinished-as SCORE`: the declared comparisons again with every run that started and did not complete scored
-SCORE (`imputed`), a bound on what the runs lost could do to each verdict, beside it.
+SCORE (`imputed`), beside them: how far each verdict rests on the runs lost.
 
 Factors are the override keys whose value differs between runs (not seed, experiment, logger, hydra, paths,
 analysis); a cell is one combination of factor values, its seeds the runs in it. Per cell: the metric as mean ± 95%
@@ -55,6 +55,7 @@ from analysis.verdicts import (
     estimate_of,
     ledger_folder,
     look_note,
+    matching,
     parse_override,
     per_cluster,
     same_value,
@@ -63,7 +64,7 @@ from analysis.verdicts import (
 )
 from foundation.run_dir import is_factor, override_key
 from foundation.stats import POWER, Comparison, Estimate
-from foundation.study import METRICS, WARM_START, Study
+from foundation.study import METRICS, WARM_START, Declared, Study
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -109,11 +110,8 @@ def final_subsets(run: Run, split: str = "val") -> dict[str, float]:
 
 
 def warm_start_of(run: Run) -> str | None:
-    """The digest of the weights the run's training started from (a warm start's), where it has one: its summary's,
-    else the digest its config pinned (`warmstart.weights_sha256`, which a run refuses to start from other weights
-    under): a run stopped before its summary's end still pairs with its twins."""
-    digest = (run.summary.get("sft") or {}).get("weights_sha256")
-    return digest if digest is not None else run.value("warmstart.weights_sha256")
+    """The digest of the weights the run's training started from (a warm start's), where it has one."""
+    return (run.summary.get("sft") or {}).get("weights_sha256")
 
 
 def cluster_of(run: Run, key: str) -> str | None:
@@ -639,6 +637,7 @@ class Report:
     by_cluster: pd.DataFrame  # each warm start's mean difference per declared comparison (empty: none to show)
     unfinished_as: float | None = None  # the score the sensitivity block gives each run that started and did not end
     imputed: list[str] = dataclasses.field(default_factory=list)  # those runs (`unfinished_as` set)
+    imputed_sides: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # per declaration: treatment, base
     sensitivity: list[Verdict] = dataclasses.field(default_factory=list)  # the declared ones again, those runs scored
 
     @property
@@ -677,14 +676,23 @@ def _renamed(verdict: Verdict | None, metric: str) -> Verdict | None:
     return None if verdict is None else dataclasses.replace(verdict, name=f"{metric}: {verdict.name}")
 
 
-def imputed(table: pd.DataFrame, metric: str, value: float) -> tuple[pd.DataFrame, list[str]]:
+def imputed(table: pd.DataFrame, runs: list[Run], study: Study, value: float) -> tuple[pd.DataFrame, list[str]]:
     """The run table with every run that started and did not complete (failed, interrupted, unfinished: not `not
-    started`) counted as completed with `metric` = `value`, and those runs: a bound on what the runs lost could do
-    to a verdict (worst-case imputation where `value` is the metric's worst), never the verdict itself."""
+    started`) counted as completed with the study's metric = `value`, and those runs: what the declared verdicts
+    would be had the runs lost scored `value`, beside them, never instead. A run stopped before the end of its
+    summary has no `sft` block: it pairs with its twins through the warm start its config pinned
+    (`warmstart.weights_sha256`, which the run checked the weights it loaded against: backends/sft.py)."""
     lost = (table.status != COMPLETED) & (table.status != NOT_STARTED)
+    by_name = {(run.source, run.name): run for run in runs}
     out = table.copy()
-    out.loc[lost, metric] = value
-    out.loc[lost, "items"] = None  # no question was scored: the bootstrap over questions leaves such pairs out
+    for i in out.index[lost]:
+        run = by_name[(out.at[i, "source"], out.at[i, "run"])]
+        warm = warm_start_of(run) or run.value("warmstart.weights_sha256")
+        out.at[i, "pair"] = f"seed={run.value('seed')} warm={warm}"
+        if study.cluster == WARM_START:
+            out.at[i, "cluster"] = None if warm is None else str(warm)
+    out.loc[lost, study.metric] = value
+    out.loc[lost, "items"] = None  # no question scored: a comparison with such a run has no interval over questions
     out.loc[lost, "status"] = COMPLETED
     return out, list(table.run[lost])
 
@@ -714,15 +722,25 @@ def build(runs: list[Run], metric: str | None = None, unfinished_as: float | Non
     by_cluster = per_cluster(table, study, study.metric)
     report = Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl, by_cluster)
     if unfinished_as is not None and study.comparisons:
-        filled, report.imputed = imputed(table, study.metric, unfinished_as)
+        if is_accuracy(study.metric) and not 0 <= unfinished_as <= 1:
+            raise ValueError(f"--unfinished-as {unfinished_as:g}: `{study.metric}` is an accuracy, from 0 to 1")
+        filled, report.imputed = imputed(table, runs, study, unfinished_as)
         if report.imputed:
             name = f"unfinished at {unfinished_as:g}"
             report.sensitivity = [
                 dataclasses.replace(v, name=f"{v.name} ({name})", role="sensitivity")
                 for v in declared(filled, study, study.metric)
             ]
+            report.imputed_sides = [imputed_sides(table, d) for d in study.comparisons]
         report.unfinished_as = unfinished_as
     return report, factors
+
+
+def imputed_sides(table: pd.DataFrame, declaration: Declared) -> tuple[int, int]:
+    """How many runs of the treatment and of the baseline side of a declared comparison started and did not
+    complete (the runs `imputed` scores)."""
+    lost = table[(table.status != COMPLETED) & (table.status != NOT_STARTED)]
+    return len(matching(lost, declaration.treatment)), len(matching(lost, declaration.baseline))
 
 
 def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list[tuple[str, str, pd.DataFrame | None]]:
@@ -832,26 +850,32 @@ def _declared_text(report: Report, looks: dict[str, str]) -> str:
 
 
 def _sensitivity_text(report: Report) -> str:
-    """The declared comparisons again with the runs that started and did not complete scored `unfinished_as`, and
-    whether each verdict agrees with the declared one."""
+    """The declared comparisons again with the runs that started and did not complete scored `unfinished_as`: per
+    comparison, how many each side had, and whether its verdict agrees with the declared one."""
     metric, value = report.study.metric, report.unfinished_as
     if not report.imputed:
         return "Every run that started completed: the declared verdicts above stand for all of them."
     text = (
-        f"A bound, not a verdict (`--unfinished-as {value:g}`): the declared comparisons again with each of the "
-        f"{len(report.imputed)} runs that started and did not complete ({', '.join(report.imputed)}) scored "
-        f"{value:g} on `{metric}` and paired with its twins, Holm over the same family. The runs a "
-        "verdict above leaves out are the ones that did not complete; where an arm loses runs more often than its "
-        "twin, the runs left flatter it, and this block shows how far the verdict rests on that. A verdict that "
-        "differs here depends on the runs lost.\n\n"
+        f"Beside the verdicts above, not instead (`--unfinished-as {value:g}`): the declared comparisons again with "
+        f"each of the {len(report.imputed)} runs that started and did not complete ({', '.join(report.imputed)}) "
+        f"scored {value:g} on `{metric}` and paired with its twins, Holm over the same family. The verdicts above "
+        "leave those runs out; where one side loses runs whose outcome would have been poor (a run that collapsed "
+        "and was stopped before its budget), the runs left flatter that side, and a low score for them shows how far "
+        "a verdict rests on that. A low score is the worst case only for the side that lost the runs (runs lost on "
+        "a shared baseline make every treatment look better). Holm couples the family: a comparison with no run "
+        "imputed can move with the others' p. A line that differs says the verdict depends on what the runs lost "
+        "would have scored.\n\n"
     )
     lines = []
-    for declared_verdict, bound in zip(report.declared, report.sensitivity, strict=True):
+    for declared_verdict, bound, (treated, base) in zip(
+        report.declared, report.sensitivity, report.imputed_sides, strict=True
+    ):
         same = bound.outcome == declared_verdict.outcome and (  # beyond noise: on the same side of 0 too
             bound.outcome != "beyond noise" or (bound.comparison.diff > 0) == (declared_verdict.comparison.diff > 0)
         )
         agree = "agrees with the declared verdict" if same else "**differs from the declared verdict**"
-        lines.append(f"- {_declared_line(bound, len(report.sensitivity), metric, agree)}")
+        runs = f"runs imputed: {treated} of the treatment, {base} of the baseline; {agree}"
+        lines.append(f"- {_declared_line(bound, len(report.sensitivity), metric, runs)}")
     return text + "\n".join(lines)
 
 
@@ -884,10 +908,12 @@ def record_looks(report: Report, ledger_dir: Path, test_read: bool = True) -> di
         return {}
     judged = [v for metric, v in report.judged if metric.startswith("test")]
     ledger = Ledger(ledger_dir / LEDGER)
-    look, before = ledger.record(report.runs, "test_final", judged)
+    variant = f"unfinished at {report.unfinished_as:g}" if report.sensitivity else ""
+    look, before = ledger.record(report.runs, "test_final", judged, variant)
     notes = {v.name: look_note(v.name, v.outcome, look, before) for v in report.declared}
+    through = f", through the analysis `{look.variant}`" if look.variant else ""
     notes[""] = (
-        f"The test split's scores here are look {look.look} at it ({ledger.path}: {len(before)} "
+        f"The test split's scores here are look {look.look} at it{through} ({ledger.path}: {len(before)} "
         f"look{'' if len(before) == 1 else 's'} before this one; a re-render of the same runs and scores is not a "
         "new look)."
     )
@@ -954,14 +980,14 @@ def main(argv: list[str] | None = None) -> Path:
         type=float,
         metavar="SCORE",
         help="the declared comparisons again with every run that started and did not complete (failed, "
-        "interrupted) scored SCORE on the study's metric, in its own units (accuracy: 0 to 1): a bound on what the "
-        "runs lost could do to each verdict (0: the worst case), beside the declared verdicts, never instead",
+        "interrupted) scored SCORE on the study's metric, in its own units (accuracy: 0 to 1), beside the declared "
+        "verdicts, never instead: how far each rests on the runs lost (0: the worst case for the side that lost them)",
     )
     args = parser.parse_args(argv)
     if args.no_test and args.metric and args.metric.startswith("test"):
         parser.error(f"--metric {args.metric} reads the test split, which --no-test leaves unread")
     if args.no_test and args.unfinished_as is not None:
-        parser.error("--unfinished-as bounds the declared verdicts, which --no-test leaves unjudged")
+        parser.error("--unfinished-as judges the declared comparisons again, which --no-test leaves unjudged")
     local = [s for s in args.sources if not s.startswith(WANDB_PREFIX)]
     out = args.out or (Path(local[0]) if local else Path("outputs/reports"))
     try:

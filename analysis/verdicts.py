@@ -285,8 +285,9 @@ class Look:
     date: str
     metric: str
     runs: int
-    fingerprint: str  # the runs and their scores looked at
+    fingerprint: str  # the runs and their scores looked at, and the variant of the analysis
     verdicts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    variant: str = ""  # an analysis beyond the declared one (`unfinished at 0`): its own look, recorded
 
 
 @dataclass
@@ -300,8 +301,11 @@ class Ledger:
             return []
         return [Look(**json.loads(line)) for line in self.path.read_text(encoding="utf-8").splitlines() if line]
 
-    def record(self, table: pd.DataFrame, metric: str, verdicts: list[Verdict]) -> tuple[Look, list[Look]]:
-        """This look (appended unless the same runs and scores were looked at before) and the looks before it."""
+    def record(
+        self, table: pd.DataFrame, metric: str, verdicts: list[Verdict], variant: str = ""
+    ) -> tuple[Look, list[Look]]:
+        """This look (appended unless the same runs and scores were looked at before through the same `variant`
+        of the analysis: a variant first rendered after the plain report is a look of its own) and those before."""
         done = table[(table.status == COMPLETED) & table[metric].notna()]
         # each run named from the folder above the ledger's, however the report named its sources
         base = self.path.parent.parent
@@ -310,7 +314,8 @@ class Ledger:
             for s, r in zip(done.source, done.run, strict=True)
         ]
         scores = sorted((str(r), float(v)) for r, v in zip(runs, done[metric], strict=True))
-        fingerprint = hashlib.sha256(json.dumps([metric, scores]).encode()).hexdigest()[:16]
+        seen = [metric, scores] + ([variant] if variant else [])  # the plain report's fingerprints as they were
+        fingerprint = hashlib.sha256(json.dumps(seen).encode()).hexdigest()[:16]
         looks = self.looks()
         for i, look in enumerate(looks):
             if look.fingerprint == fingerprint:
@@ -322,6 +327,7 @@ class Ledger:
             runs=len(done),
             fingerprint=fingerprint,
             verdicts={v.name: v.record() for v in verdicts},
+            variant=variant,
         )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:

@@ -841,13 +841,14 @@ def test_an_interim_report_leaves_the_test_split_unread(tmp_path: Path) -> None:
     assert not [k for m in hidden.metrics for k in m if k.startswith("test/")]
 
 
-def test_runs_lost_before_their_end_are_bounded_beside_the_declared_verdicts(tmp_path: Path) -> None:
-    """One GRPO run a warm start stopped before its end (`interrupted`, no `sft` block in its summary, as a stopped
-    run writes it): the declared verdicts leave them out (GRPO still beyond noise on the six pairs left), and
-    `--unfinished-as 0` judges the same family again with them scored 0 and paired with their twins through the
-    digest their config pinned: GRPO's verdict then differs (beyond noise the other way), RFT's (no run lost) agrees;
-    both go into the ledger
-    under their own names; not asked for, no such block; with --no-test, refused."""
+def test_runs_lost_before_their_end_are_judged_again_at_a_score_beside_the_declared_verdicts(tmp_path: Path) -> None:
+    """One GRPO run a warm start stopped before its end (`interrupted`: no `sft` block in its summary, no test
+    accuracy, as a stopped run leaves it): the declared verdicts leave them out (GRPO still beyond noise on the six
+    pairs left); `--unfinished-as 0` judges the same family again with them scored 0, paired with their twins
+    through the digest their config pinned: GRPO's verdict then differs (beyond noise the other way), RFT's (no run
+    lost) agrees, each line counting the runs imputed on each side; that analysis is a look of its own in the ledger
+    (a plain report after it another, a re-render none); the plain report has no such block and its run table is as
+    before (the lost runs unpaired); a score outside an accuracy's 0-1, or with --no-test, is refused."""
     write_study(tmp_path / "study", DECLARED, STEADY)
     lost = []
     for run in sorted((tmp_path / "study").iterdir(), key=lambda p: int(p.name)):
@@ -862,32 +863,45 @@ def test_runs_lost_before_their_end_are_bounded_beside_the_declared_verdicts(tmp
         del summary["sft"]
         (run / "summary.json").write_text(json.dumps(summary | {"status": "interrupted"}))
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        (run / "metrics.jsonl").write_text(
+        (run / "metrics.jsonl").write_text(  # its questions' scores kept, as a run failed after its test: never used
             "".join(json.dumps({k: v for k, v in m.items() if k != "test/accuracy"}) + "\n" for m in metrics)
         )
     assert len(lost) == 3
     runs = report.load([str(tmp_path / "study")])
     plain, _ = report.build(runs)
     assert plain.sensitivity == [] and plain.unfinished_as is None
+    assert plain.runs[plain.runs.status == "interrupted"].pair.str.endswith("warm=None").all()
     built, _ = report.build(runs, unfinished_as=0.0)
     assert [v.outcome for v in built.declared] == [v.outcome for v in plain.declared] == ["beyond noise"] * 2
     assert built.declared[0].comparison.test == "paired at the warm start level (3 warm starts, 6 pairs)"
     assert len(built.imputed) == 3 and all(name.startswith("study/") for name in built.imputed)
+    assert built.imputed_sides == [(3, 0), (0, 0)]
     grpo, rft = built.sensitivity
     assert (grpo.name, grpo.role) == ("grpo_vs_control (unfinished at 0)", "sensitivity")
     assert grpo.comparison.test == "paired at the warm start level (3 warm starts, 9 pairs)"
     # three pairs at 0 - ~0.3, one a warm start: beyond noise again, on the other side of 0
-    assert grpo.comparison.diff < 0 and grpo.outcome == "beyond noise"
+    assert grpo.comparison.diff < 0 and grpo.outcome == "beyond noise" and grpo.bootstrap is None
     assert rft.comparison.diff == pytest.approx(built.declared[1].comparison.diff) and rft.outcome == "beyond noise"
+    high, _ = report.build(runs, unfinished_as=1.0)  # the score given, not 0: three pairs at 1 - ~0.3
+    assert high.sensitivity[0].comparison.diff > built.declared[0].comparison.diff > 0
     out = report.main([str(tmp_path / "study"), "--unfinished-as", "0", "--out", str(tmp_path / "r")])
-    section = out_tables((out / "report.md").read_text())["Declared comparisons, unfinished runs scored 0"]
-    assert "A bound, not a verdict (`--unfinished-as 0`)" in section and "the 3 runs that started" in section
+    md = (out / "report.md").read_text()
+    section = out_tables(md)["Declared comparisons, unfinished runs scored 0"]
+    assert "(`--unfinished-as 0`)" in section and "each of the 3 runs that started" in section
     lines = {x.split("**")[1]: x for x in section.splitlines() if x.startswith("- **")}
-    assert "**differs from the declared verdict**" in lines["grpo_vs_control (unfinished at 0)"]
-    assert "agrees with the declared verdict" in lines["rft_vs_control (unfinished at 0)"]
-    (look,) = [json.loads(x) for x in (tmp_path / "study" / "ledger.jsonl").read_text().splitlines()]
-    assert look["runs"] == 24 and look["verdicts"]["grpo_vs_control (unfinished at 0)"]["diff"] < 0
+    grpo_line, rft_line = lines["grpo_vs_control (unfinished at 0)"], lines["rft_vs_control (unfinished at 0)"]
+    assert "runs imputed: 3 of the treatment, 0 of the baseline; **differs from the declared verdict**" in grpo_line
+    assert "runs imputed: 0 of the treatment, 0 of the baseline; agrees with the declared verdict" in rft_line
+    assert "look 1 at it, through the analysis `unfinished at 0`" in md
+    ledger = tmp_path / "study" / "ledger.jsonl"
+    (look,) = [json.loads(x) for x in ledger.read_text().splitlines()]
+    assert look["runs"] == 24 and look["variant"] == "unfinished at 0"
+    assert look["verdicts"]["grpo_vs_control (unfinished at 0)"]["diff"] < 0
     assert look["verdicts"]["grpo_vs_control"]["outcome"] == "beyond noise"
-    assert "unfinished runs scored" not in (report.main([str(tmp_path / "study")]) / "report.md").read_text()
-    with pytest.raises(SystemExit):
-        report.main([str(tmp_path / "study"), "--no-test", "--unfinished-as", "0", "--out", str(tmp_path / "x")])
+    md = (report.main([str(tmp_path / "study"), "--out", str(tmp_path / "plain")]) / "report.md").read_text()
+    assert "unfinished runs scored" not in md and "look 2 at it (" in md
+    report.main([str(tmp_path / "study"), "--unfinished-as", "0", "--out", str(tmp_path / "again")])
+    assert [json.loads(x)["variant"] for x in ledger.read_text().splitlines()] == ["unfinished at 0", ""]
+    for bad in (["--unfinished-as", "7.1"], ["--no-test", "--unfinished-as", "0"]):
+        with pytest.raises(SystemExit):
+            report.main([str(tmp_path / "study"), *bad, "--out", str(tmp_path / "x")])
