@@ -6,8 +6,9 @@ declared comparisons adjusted together by Holm, and the ledger of looks at the t
 - `declared`: the comparisons the runs' `analysis` block declared (foundation/study.py), each matched to its runs,
   tested, and adjusted by Holm over the declared family. Everything else a report prints is exploratory.
 - `Ledger`: every report that judges on the test split appends a look (date, runs, each comparison's verdict) to
-  `ledger.jsonl` in the report's folder, unless the same runs with the same scores were looked at before (a re-render
-  looks at nothing new). A verdict says which look it is and whether it changed since an earlier look.
+  `ledger.jsonl` in the report's folder, unless the same runs with the same scores were looked at before through the
+  same analysis (a re-render looks at nothing new; `--unfinished-as` is an analysis of its own: its `variant`). A
+  verdict says which look it is and whether it changed since an earlier look.
 - `item_differences`: per-question score differences of paired runs (their `scores/<metric>.json`), for the
   bootstrap over clusters and questions.
 """
