@@ -30,8 +30,8 @@
 # STAGE=study: the study's warm starts (README.md: W = 0-9), each run scoring the test split once at its end; the
 #   report on all of them is the study's look at them (look 2 in runs/ledger.jsonl: a check of round 1 made look 1;
 #   check a round with unpack-round.sh, whose report reads no test score).
-# Carries .vc/trl (python bench/gpu_wheels.py --stack trl --leave-out openai-agents .vc/trl: no run here imports it,
-# and the 7 MiB it saves leave the carry room for every round's runs); bench/device_call.sh does the rest of a call;
+# Carries .vc/trl (bash bench/carry_parts.sh trl: gpu_wheels.py --stack trl --leave-out openai-agents; no run here
+# imports openai-agents, and the 7 MiB it saves leave the carry room for every round's runs); bench/device_call.sh does the rest of a call;
 # unpack-round.sh brings a round's calls into runs/ and calls/ here.
 set -u
 P="experiment=learn-pool-gpu-ablations"

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# What the device calls carry, built in this checkout from the package index (a new checkout has none of it; each is
+# git-excluded here). A call carries the tracked tree and its `carry` paths, 64 MiB in all, so a stack travels in
+# parts, one a call, each part in a top-level folder of its own:
+#   bash bench/carry_parts.sh trl    .vc/trl (one 16 MiB part and install.sh): the trl stack without openai-agents,
+#                                    for the ablation study's calls (results/2026-11-28-ablations/device-calls.sh) and
+#                                    bench/agent_step_calls.sh's first call; ~30 s
+#   bash bench/carry_parts.sh vllm   .dv00 .. .dvNN: vLLM 0.20.2's bundle (../shared/gpu/vllm-wheels.py) in 20 MiB
+#                                    parts, .dvNN/partNN (bench/agent_step_calls.sh: `part`, the last `part install
+#                                    N+1`); ~2 min
+#   bash bench/carry_parts.sh verl   .dl00 .. .dlNN: the verl stack (bench/gpu_wheels.py --stack verl) in 20 MiB parts,
+#                                    .dlNN/partNN, install.sh with the last: there `cp .dlNN/* /tmp/vv/` a call, then
+#                                    `bash /tmp/vv/install.sh /tmp/proj` once all are in; ~1 min
+# Each ends by listing what it wrote and the carry of each call.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+exclude() {  # a pattern in .git/info/exclude, once
+  mkdir -p .git/info
+  grep -qxF "$1" .git/info/exclude 2>/dev/null || echo "$1" >> .git/info/exclude
+}
+spread() {  # spread PREFIX PART...: each part into PREFIX<NN>/ (the old folders of PREFIX removed first)
+  local prefix=$1 n=0 part; shift
+  rm -rf "$prefix"[0-9][0-9]
+  for part in "$@"; do
+    local dir; dir=$(printf "%s%02d" "$prefix" "$n")
+    mkdir -p "$dir" && mv "$part" "$dir/"
+    n=$((n + 1))
+  done
+  echo "$n parts: carry [\"$(printf "%s%02d" "$prefix" 0)\"] ... [\"$(printf "%s%02d" "$prefix" $((n - 1)))\"], one a call"
+}
+case ${1:-} in
+  trl)
+    exclude "/.vc/"
+    rm -rf .vc/trl
+    "$PYTHON" bench/gpu_wheels.py --stack trl --leave-out openai-agents .vc/trl
+    du -sh .vc/trl
+    ;;
+  vllm)
+    exclude "/.dv[0-9][0-9]/"
+    wheels=${VLLM_WHEELS:-/tmp/vllm-wheels}
+    [ -f "$wheels/.done" ] || { "$PYTHON" ../shared/gpu/vllm-wheels.py "$wheels" && touch "$wheels/.done"; }
+    tmp=$(mktemp -d)
+    tar -cf - -C "$wheels" --exclude=.done . | split -b 20M -d - "$tmp/part"
+    spread .dv "$tmp"/part*
+    rmdir "$tmp"
+    ;;
+  verl)
+    exclude "/.dl[0-9][0-9]/"
+    tmp=$(mktemp -d)
+    "$PYTHON" bench/gpu_wheels.py --stack verl "$tmp"
+    last=$(ls "$tmp"/part* | tail -1)
+    spread .dl "$tmp"/part*
+    mv "$tmp/install.sh" "$(ls -d .dl[0-9][0-9] | tail -1)/"
+    rmdir "$tmp"
+    echo "install.sh with the last part ($(basename "$last"))"
+    ;;
+  *)
+    echo "usage: bash bench/carry_parts.sh trl|vllm|verl"
+    exit 2
+    ;;
+esac
