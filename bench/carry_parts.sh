@@ -6,15 +6,18 @@
 #                                    for the ablation study's calls (results/2026-11-28-ablations/device-calls.sh) and
 #                                    bench/agent_step_calls.sh's first call; ~30 s
 #   bash bench/carry_parts.sh vllm   .dv00 .. .dvNN: vLLM 0.20.2's bundle (../shared/gpu/vllm-wheels.py) in 20 MiB
-#                                    parts, .dvNN/partNN (bench/agent_step_calls.sh: `part`, the last `part install
+#                                    parts (17), .dvNN/partNN (bench/agent_step_calls.sh: `part`, the last `part install
 #                                    N+1`); ~2 min
 #   bash bench/carry_parts.sh verl   .dl00 .. .dlNN: the verl stack (bench/gpu_wheels.py --stack verl) in 20 MiB parts,
 #                                    .dlNN/partNN, install.sh with the last: there `cp .dlNN/* /tmp/vv/` a call, then
 #                                    `bash /tmp/vv/install.sh /tmp/proj` once all are in; ~1 min
+# PART_MIB (default 20): a part's size for vllm and verl. A call carries the tracked tree beside its part (39 MB after
+# the ablation study's round 4, ~3.5 MB more a round): where tree + part nears 64 MiB, smaller parts, more calls.
 # Each ends by listing what it wrote and the carry of each call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
+PART_MIB=${PART_MIB:-20}
 exclude() {  # a pattern in .git/info/exclude, once
   mkdir -p .git/info
   grep -qxF "$1" .git/info/exclude 2>/dev/null || echo "$1" >> .git/info/exclude
@@ -41,14 +44,14 @@ case ${1:-} in
     wheels=${VLLM_WHEELS:-/tmp/vllm-wheels}
     [ -f "$wheels/.done" ] || { "$PYTHON" ../shared/gpu/vllm-wheels.py "$wheels" && touch "$wheels/.done"; }
     tmp=$(mktemp -d)
-    tar -cf - -C "$wheels" --exclude=.done . | split -b 20M -d - "$tmp/part"
+    tar -cf - -C "$wheels" --exclude=.done . | split -b "${PART_MIB}M" -d - "$tmp/part"
     spread .dv "$tmp"/part*
     rmdir "$tmp"
     ;;
   verl)
     exclude "/.dl[0-9][0-9]/"
     tmp=$(mktemp -d)
-    "$PYTHON" bench/gpu_wheels.py --stack verl "$tmp"
+    "$PYTHON" bench/gpu_wheels.py --stack verl --part-mib "$PART_MIB" "$tmp"
     last=$(ls "$tmp"/part* | tail -1)
     spread .dl "$tmp"/part*
     mv "$tmp/install.sh" "$(ls -d .dl[0-9][0-9] | tail -1)/"
