@@ -676,13 +676,18 @@ def _renamed(verdict: Verdict | None, metric: str) -> Verdict | None:
     return None if verdict is None else dataclasses.replace(verdict, name=f"{metric}: {verdict.name}")
 
 
+def started_not_completed(table: pd.DataFrame) -> pd.Series:
+    """The rows of runs that started and did not complete: failed, interrupted, unfinished (not `not started`)."""
+    return (table.status != COMPLETED) & (table.status != NOT_STARTED)
+
+
 def imputed(table: pd.DataFrame, runs: list[Run], study: Study, value: float) -> tuple[pd.DataFrame, list[str]]:
     """The run table with every run that started and did not complete (failed, interrupted, unfinished: not `not
     started`) counted as completed with the study's metric = `value`, and those runs: what the declared verdicts
     would be had the runs lost scored `value`, beside them, never instead. A run stopped before the end of its
     summary has no `sft` block: it pairs with its twins through the warm start its config pinned
     (`warmstart.weights_sha256`, which the run checked the weights it loaded against: backends/sft.py)."""
-    lost = (table.status != COMPLETED) & (table.status != NOT_STARTED)
+    lost = started_not_completed(table)
     by_name = {(run.source, run.name): run for run in runs}
     out = table.copy()
     for i in out.index[lost]:
@@ -739,7 +744,7 @@ def build(runs: list[Run], metric: str | None = None, unfinished_as: float | Non
 def imputed_sides(table: pd.DataFrame, declaration: Declared) -> tuple[int, int]:
     """How many runs of the treatment and of the baseline side of a declared comparison started and did not
     complete (the runs `imputed` scores)."""
-    lost = table[(table.status != COMPLETED) & (table.status != NOT_STARTED)]
+    lost = table[started_not_completed(table)]
     return len(matching(lost, declaration.treatment)), len(matching(lost, declaration.baseline))
 
 
@@ -759,7 +764,7 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         intro += " " + looks[""]
     out: list[tuple[str, str, pd.DataFrame | None]] = [("Ablation report", intro, None)]
     out.append(("Declared comparisons", _declared_text(report, looks), None))
-    if report.unfinished_as is not None and report.study.comparisons:
+    if report.unfinished_as is not None:  # set only where the study declares comparisons
         out.append(
             (f"Declared comparisons, unfinished runs scored {report.unfinished_as:g}", _sensitivity_text(report), None)
         )

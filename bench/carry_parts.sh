@@ -30,7 +30,7 @@ spread() {  # spread PREFIX PART...: each part into PREFIX<NN>/ (the old folders
     mkdir -p "$dir" && mv "$part" "$dir/"
     n=$((n + 1))
   done
-  echo "$n parts: carry [\"$(printf "%s%02d" "$prefix" 0)\"] ... [\"$(printf "%s%02d" "$prefix" $((n - 1)))\"], one a call"
+  printf '%s parts: carry ["%s00"] ... ["%s%02d"], one a call\n' "$n" "$prefix" "$prefix" $((n - 1))
 }
 case ${1:-} in
   trl)
@@ -52,11 +52,9 @@ case ${1:-} in
     exclude "/.dl[0-9][0-9]/"
     tmp=$(mktemp -d)
     "$PYTHON" bench/gpu_wheels.py --stack verl --part-mib "$PART_MIB" "$tmp"
-    last=$(ls "$tmp"/part* | tail -1)
     spread .dl "$tmp"/part*
     mv "$tmp/install.sh" "$(ls -d .dl[0-9][0-9] | tail -1)/"
     rmdir "$tmp"
-    echo "install.sh with the last part ($(basename "$last"))"
     ;;
   *)
     echo "usage: bash bench/carry_parts.sh trl|vllm|verl"

@@ -31,8 +31,8 @@
 #   report on all of them is the study's look at them (look 2 in runs/ledger.jsonl: a check of round 1 made look 1;
 #   check a round with unpack-round.sh, whose report reads no test score).
 # Carries .vc/trl (bash bench/carry_parts.sh trl: gpu_wheels.py --stack trl --leave-out openai-agents; no run here
-# imports openai-agents, and the 7 MiB it saves leave the carry room for every round's runs); bench/device_call.sh does the rest of a call;
-# unpack-round.sh brings a round's calls into runs/ and calls/ here.
+# imports openai-agents, and the 7 MiB it saves leave the carry room for every round's runs); bench/device_call.sh
+# does the rest of a call; unpack-round.sh brings a round's calls into runs/ and calls/ here.
 set -u
 P="experiment=learn-pool-gpu-ablations"
 case ${STAGE:-pilot} in
