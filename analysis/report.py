@@ -306,10 +306,14 @@ def factor_table(
                     "p": _fmt_p(c.p),
                     "noise": c.flag,
                     "Holm p": "exploratory" if judged is None else f"{_fmt_p(judged.p_holm)} ({judged.role})",
-                    "detectable Δ": _fmt(c.detectable, metric) if c.detectable is not None else "n/a",
+                    "detectable Δ": _fmt_detectable(c if judged is None else judged.comparison, metric),
                 }
             rows.append(row | _cost(runs))
     return pd.DataFrame(rows)
+
+
+def _fmt_detectable(c: Comparison, metric: str) -> str:
+    return _fmt(c.detectable, metric) if c.detectable is not None else "n/a"
 
 
 def _declared_for(
@@ -463,11 +467,12 @@ def _means(verdict: Verdict, metric: str) -> str:
     )
 
 
-def _details(c: Comparison, metric: str) -> str:
-    """The test, what it could detect, the heterogeneity across clusters and what it cannot claim."""
+def _details(c: Comparison, metric: str, at: str = "") -> str:
+    """The test, what it could detect (`at`: the level, where not the interval's), the heterogeneity across clusters
+    and what it cannot claim."""
     text = f"; {c.test}"
     if c.detectable is not None:
-        text += f", it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power"
+        text += f", it could detect |Δ| ≥ {_fmt(c.detectable, metric)} with {POWER:.0%} power{at}"
     if c.heterogeneity is not None:
         h = c.heterogeneity
         text += f"; heterogeneity across {h.unit}s F = {h.f:.1f}, p = {_fmt_p(h.p)}"
@@ -482,7 +487,8 @@ def _declared_line(verdict: Verdict, family: int, metric: str, look: str) -> str
     c = verdict.comparison
     holm_p = f", Holm-adjusted p = {_fmt_p(verdict.p_holm)} (family of {family}, alpha {verdict.alpha:g})"
     text = f"**{verdict.name}** ({verdict.role}): {_means(verdict, metric)}{holm_p if c.p is not None else ''}: "
-    text += f"**{verdict.outcome}**{_details(c, metric)}"
+    at = f" at alpha {verdict.alpha:g}/{family} (Holm's first step)"
+    text += f"**{verdict.outcome}**{_details(c, metric, at)}"
     if verdict.bootstrap is not None:
         mean, low, high = verdict.bootstrap
         text += (
@@ -813,8 +819,9 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         text = (
             f"Each `{factor}` value against the baseline `{factor}` (its first value), the other factors fixed. "
             "Δ: difference of means (percentage points for accuracy) with its 95% CI, p and the |Δ| the test would "
-            f"detect with {POWER:.0%} power: paired by seed and warm start, at the warm start's level where seeds "
-            "share one (else Welch's t-test). Holm p: the comparison's adjusted p in the family the study declared, "
+            f"detect with {POWER:.0%} power (at 95%; a declared comparison's at its family's alpha / size, the level "
+            "of Holm's first step): paired by seed and warm start, at the warm start's level where seeds share one "
+            "(else Welch's t-test). Holm p: the comparison's adjusted p in the family the study declared, "
             f"with its role; `exploratory` where it was not declared ({EXPLORATORY}). Cost per run: GPU-seconds "
             "(the pool's sampling included where charged), seconds a step, the rollouts' share of a step, tokens "
             "generated."

@@ -207,13 +207,18 @@ def per_cluster(table: pd.DataFrame, study: Study, metric: str) -> pd.DataFrame:
 
 
 def declared(table: pd.DataFrame, study: Study, metric: str) -> list[Verdict]:
-    """The study's declared comparisons on `metric` (completed runs), Holm-adjusted together: one family."""
+    """The study's declared comparisons on `metric` (completed runs), Holm-adjusted together: one family. Each
+    one's detectable |Δ| is at alpha / m, the level Holm's first step tests at, so that it states what the verdict
+    could have found: a 95 % level would promise effects that the correction leaves inside noise."""
     done = table[table.status == COMPLETED]
     unit = unit_of(study)
     verdicts = []
     for declaration in study.comparisons:
         treated, base = matching(done, declaration.treatment), matching(done, declaration.baseline)
         comparison = compare(base, treated, metric, LEVEL, unit)
+        # what it could detect under the family's correction: at alpha / m, Holm's first (strictest) step
+        strict = compare(base, treated, metric, 1 - study.alpha / len(study.comparisons), unit)
+        comparison = dataclasses.replace(comparison, detectable=strict.detectable)
         empty = [" ".join(side) for side, runs in ((declaration.treatment, treated), (declaration.baseline, base))]
         empty = [side for side, runs in zip(empty, (treated, base), strict=True) if runs.empty]
         if empty:  # a misspelt declaration, or runs not done yet: said, not judged

@@ -553,6 +553,11 @@ def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: P
     section = out_tables(md)["Declared comparisons"]
     line = next(x for x in section.splitlines() if x.startswith("- **grpo_vs_control** (primary)"))
     assert f"Holm-adjusted p = {grpo.p_holm:.3f} (family of 2, alpha 0.05)" in line
+    # what it could detect at the level the correction tests first (alpha / 2), over the 3 warm starts' means
+    means = [np.mean(gains) for gains in STEADY.values()]
+    strict = (stats.t.ppf(1 - 0.05 / 4, 2) + stats.t.ppf(0.8, 2)) * np.std(means, ddof=1) / np.sqrt(3)
+    assert grpo.comparison.detectable == pytest.approx(strict)
+    assert f"it could detect |Δ| ≥ {strict * 100:.1f} with 80% power at alpha 0.05/2 (Holm's first step)" in line
     # each run's 10 questions: right on the first round(accuracy x 10); the resampled mean is the pairs' mean
     per_question = (
         np.mean(
@@ -758,6 +763,8 @@ def test_the_ablation_table_pairs_by_warm_start_shows_the_declared_holm_p_and_th
     per_warm = stats.ttest_1samp([-0.095, -0.075, -0.055], 0.0).confidence_interval()
     assert no_check["95% CI of Δ"] == f"[{per_warm.low * 100:+.1f}, {per_warm.high * 100:+.1f}]"
     assert no_check["Holm p"].endswith("(primary)")  # its declared verdict, adjusted over the family of two
+    se = np.std([-0.095, -0.075, -0.055], ddof=1) / np.sqrt(3)  # detectable at Holm's first step, alpha / 2
+    assert no_check["detectable Δ"] == f"{(stats.t.ppf(1 - 0.05 / 4, 2) + stats.t.ppf(0.8, 2)) * se * 100:.1f}"
     assert (no_check["GPU-s/run"], no_check["s/step"], no_check["rollout share"]) == ("240", "4.00", "50%")
     assert no_check["generated tokens/run"] == "4,000" and rows["True"]["GPU-s/run"] == "360"
 
