@@ -63,7 +63,7 @@ from analysis.verdicts import (
     value_column,
 )
 from foundation.run_dir import is_factor, override_key
-from foundation.stats import POWER, Comparison, Estimate
+from foundation.stats import BEYOND_NOISE, POWER, WITHIN_NOISE, Comparison, Estimate
 from foundation.study import METRICS, WARM_START, Declared, Study
 
 matplotlib.use("Agg")
@@ -304,12 +304,17 @@ def factor_table(
                     "Δ vs baseline": _fmt(c.diff, metric, True),
                     "95% CI of Δ": ci,
                     "p": _fmt_p(c.p),
-                    "noise": c.flag,
+                    "noise": c.flag if judged is None else _family_flag(judged),
                     "Holm p": "exploratory" if judged is None else f"{_fmt_p(judged.p_holm)} ({judged.role})",
                     "detectable Δ": _fmt_detectable(c if judged is None else judged.comparison, metric),
                 }
             rows.append(row | _cost(runs))
     return pd.DataFrame(rows)
+
+
+def _family_flag(verdict: Verdict) -> str:
+    """A declared row's `noise`: its verdict at the family's level (Holm), in the table's words."""
+    return {"inside noise": WITHIN_NOISE, "beyond noise": BEYOND_NOISE}.get(verdict.outcome, verdict.outcome)
 
 
 def _fmt_detectable(c: Comparison, metric: str) -> str:
@@ -360,11 +365,18 @@ def _cost(runs: pd.DataFrame) -> dict[str, str]:
 
 
 def control_verdicts(
-    table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95, family: int = 1, unit: str = "warm start"
+    table: pd.DataFrame,
+    factors: list[str],
+    metric: str,
+    level: float = 0.95,
+    family: int = 1,
+    unit: str = "warm start",
+    declared_sides: DeclaredSides | None = None,
 ) -> list[Line]:
     """One line per treatment cell against the control run with the same other factors: both means ± 95% CI, the
     difference with its CI at `level` (`compare`: paired at the warm-start level where the runs pair, else Welch),
-    and better / worse / inside noise (that CI against 0), exploratory."""
+    and better / worse / inside noise (that CI against 0), exploratory; a comparison in `declared_sides` is named,
+    not judged again (`_declared_instead`)."""
     controls, treatments, arm_factors, others = _arms(table, factors)
     if controls.empty or treatments.empty:
         return []
@@ -378,9 +390,13 @@ def control_verdicts(
             continue
         for cell in _cells(group, arm_factors):
             runs = _in_cell(group, arm_factors, cell)
+            label = f"{_label(arm_factors, cell)} against the control{where}"
+            if named := _declared_instead(label, control, runs, declared_sides):
+                lines.append(named)
+                continue
             lines.append(
                 _verdict(
-                    f"{_label(arm_factors, cell)} against the control{where}",
+                    label,
                     control,
                     runs,
                     metric,
@@ -402,10 +418,16 @@ def _arms(table: pd.DataFrame, factors: list[str]) -> tuple[pd.DataFrame, pd.Dat
 
 
 def treatment_pairs(
-    table: pd.DataFrame, factors: list[str], metric: str, level: float = 0.95, unit: str = "warm start"
+    table: pd.DataFrame,
+    factors: list[str],
+    metric: str,
+    level: float = 0.95,
+    unit: str = "warm start",
+    declared_sides: DeclaredSides | None = None,
 ) -> list[Line]:
     """The treatments against each other (the later-listed against the earlier, the other factors fixed), as the
-    verdict lines judge each against the control: does one arm add what another with the same information lacks?"""
+    verdict lines judge each against the control: does one arm add what another with the same information lacks?
+    A comparison in `declared_sides` is named, not judged again."""
     controls, treatments, arm_factors, others = _arms(table, factors)
     if controls.empty:
         return []
@@ -418,8 +440,31 @@ def treatment_pairs(
             for later in cells[i + 1 :]:
                 base, runs = _in_cell(group, arm_factors, first), _in_cell(group, arm_factors, later)
                 label = f"{_label(arm_factors, later)} against {_label(arm_factors, first)}{where}"
-                lines.append(_verdict(label, base, runs, metric, level, "it", unit=unit))
+                named = _declared_instead(label, base, runs, declared_sides)
+                lines.append(named or _verdict(label, base, runs, metric, level, "it", unit=unit))
     return lines
+
+
+DeclaredSides = dict[tuple[frozenset[str], frozenset[str]], str]  # (baseline runs, treatment runs) -> its name
+
+
+def declared_sides(table: pd.DataFrame, study: Study) -> DeclaredSides:
+    """Each declared comparison's completed runs on either side, either way round: the exploratory sections name a
+    comparison with these sides instead of judging it again at 95 % (an uncorrected twin of a declared verdict)."""
+    done = table[table.status == COMPLETED]
+    sides: DeclaredSides = {}
+    for d in study.comparisons:
+        base, treated = frozenset(matching(done, d.baseline).run), frozenset(matching(done, d.treatment).run)
+        sides[(base, treated)] = f"`{d.name}`"
+        sides[(treated, base)] = f"`{d.name}` (the other way round)"
+    return sides
+
+
+def _declared_instead(label: str, base: pd.DataFrame, runs: pd.DataFrame, sides: DeclaredSides | None) -> Line | None:
+    """The line that names `label` as a declared comparison (judged in the declared section, Holm over its
+    family), or None where it is not one."""
+    name = (sides or {}).get((frozenset(base.run), frozenset(runs.run)))
+    return None if name is None else Line(f"{label}: declared as {name}, judged above (Holm over its family).", None)
 
 
 class Line(NamedTuple):
@@ -720,7 +765,8 @@ def build(runs: list[Run], metric: str | None = None, unfinished_as: float | Non
     decl = declared(table, study, study.metric)
     per_factor = {f: factor_table(table, factors, f, metric, study, decl) for f in factors}
     unit = unit_of(study)
-    verdicts = control_verdicts(table, factors, metric, unit=unit)
+    sides = declared_sides(table, study) if metric == study.metric else None  # another metric: none declared
+    verdicts = control_verdicts(table, factors, metric, unit=unit, declared_sides=sides)
     columns = subset_metrics(table, metric) if metric in SPLIT_METRICS else []
     level = 1 - 0.05 / max(len(columns), 1)  # Bonferroni: one test per subset, 5 % for all of them together
     by_subset = [
@@ -729,7 +775,7 @@ def build(runs: list[Run], metric: str | None = None, unfinished_as: float | Non
         for line in control_verdicts(table, factors, column, level, len(columns), unit)
     ]
     cells = cell_table(table, factors, metric)
-    pairs = treatment_pairs(table, factors, metric, unit=unit)
+    pairs = treatment_pairs(table, factors, metric, unit=unit, declared_sides=sides)
     by_cluster = per_cluster(table, study, study.metric)
     report = Report(table, cells, per_factor, problems, metric, verdicts, by_subset, pairs, study, decl, by_cluster)
     if unfinished_as is not None and study.comparisons:
@@ -784,7 +830,8 @@ def _sections(report: Report, sources: list[str], looks: dict[str, str]) -> list
         out.append((f"Declared comparisons per {unit}", text, _cluster_rows(report.by_cluster, report.study.metric)))
     if report.verdicts:
         text = (
-            f"Everything below is {EXPLORATORY}: comparisons the study did not declare, each at 95% on its own. "
+            f"Everything below is {EXPLORATORY}: comparisons the study did not declare, each at 95% on its own (a "
+            "declared one is named, and judged above). "
             "Each treatment against its control (a run with `arm: sft_control`: the warm start's SFT continued for "
             "the same budget); Δ = treatment - control with its 95% CI: where every treatment run has a control run "
             "with its seed and warm start, a paired t-test, taken on the warm starts' mean differences when seeds "

@@ -572,6 +572,12 @@ def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: P
     assert grpo.bootstrap is not None and grpo.bootstrap[0] == pytest.approx(per_question / 100)
     assert f"resampling clusters and questions: Δ {per_question:+.1f} [" in line
     assert "(exploratory" not in section
+    # the exploratory sections name a declared comparison instead of judging it again at 95 %
+    control = out_tables(md)["Treatment against control"]
+    assert "- algorithm=grpo against the control: declared as `grpo_vs_control`, judged above (Holm" in control
+    assert "- algorithm=rft against the control: declared as `rft_vs_control`, judged above" in control
+    others = out_tables(md)["Treatments against each other"]
+    assert "- algorithm=rft against algorithm=grpo: " in others and "(exploratory, uncorrected)" in others
 
 
 def test_each_warm_start_s_difference_is_shown_beside_the_declared_verdicts(tmp_path: Path) -> None:
@@ -801,6 +807,33 @@ def test_one_at_a_time_cells_find_their_declarations_in_each_factor_s_table(tmp_
         "",
         f"{holm['one_turn']:.3f} (primary)",
     ]
+
+
+def test_a_declared_row_of_a_factor_table_is_in_or_beyond_noise_as_its_family_judges_it(tmp_path: Path) -> None:
+    """The check step off gains 5, 7 and 9 points in three warm starts: beyond noise at 95 % on its own (p 0.026),
+    inside noise in a declared family of three (Holm: 3p). The factor table's `noise` is the family's verdict."""
+    analysis = {
+        "metric": "test_final",
+        "comparisons": [
+            {"name": "no_check", "treatment": ["agent.check_step=false"], "baseline": ["agent.check_step=true"]},
+            {"name": "one_turn", "treatment": ["agent.max_turns=1"], "baseline": ["agent.max_turns=3"]},
+            {"name": "short", "treatment": ["algorithm.max_response_length=256"], "baseline": ["agent.max_turns=3"]},
+        ],
+    }
+    num = 0
+    for warm, gain in enumerate((0.05, 0.07, 0.09)):
+        for seed in (2 * warm, 2 * warm + 1):
+            for check, value in ((True, 0.40 + 0.01 * warm), (False, 0.40 + 0.01 * warm + gain)):
+                write_arm(
+                    tmp_path / "s" / str(num), "grpo", seed, 0.5, warm_seed=warm, analysis=analysis,
+                    test_final=value, extra=[f"agent.check_step={str(check).lower()}"],
+                )  # fmt: skip
+                num += 1
+    built, _ = report.build(report.load([str(tmp_path / "s")]))
+    no_check = built.declared[0]
+    assert no_check.comparison.p < 0.05 < no_check.p_holm and no_check.outcome == "inside noise"
+    row = built.factors["agent.check_step"].iloc[1]
+    assert float(row["p"]) < 0.05 and row["noise"] == "within noise"
 
 
 def test_a_curves_band_is_taken_over_warm_starts_not_over_seeds_that_share_them() -> None:
