@@ -580,6 +580,23 @@ def test_declared_comparisons_are_adjusted_by_holm_over_their_family(tmp_path: P
     assert "- algorithm=rft against algorithm=grpo: " in others and "(exploratory, uncorrected)" in others
 
 
+def test_a_declared_comparison_between_treatments_is_named_either_way_round(tmp_path: Path) -> None:
+    """GRPO against RFT declared with GRPO as the treatment: the report lists RFT against GRPO (the later-listed arm
+    against the earlier), names the declaration the other way round and judges it only in the declared block."""
+    analysis = DECLARED | {
+        "comparisons": [{"name": "grpo_vs_rft", "treatment": ["algorithm=grpo"], "baseline": ["algorithm=rft"]}]
+    }
+    write_study(tmp_path / "study", analysis, STEADY)
+    built, _ = report.build(report.load([str(tmp_path / "study")]))
+    named = [line for line in built.pairs if "declared as" in line.text]
+    assert [line.verdict for line in named] == [None]
+    assert named[0].text == (
+        "algorithm=rft against algorithm=grpo: declared as `grpo_vs_rft` (the other way round), judged above (Holm "
+        "over its family)."
+    )
+    assert [v.name for v in built.declared] == ["grpo_vs_rft"]
+
+
 def test_each_warm_start_s_difference_is_shown_beside_the_declared_verdicts(tmp_path: Path) -> None:
     """The units the verdicts are taken over: per warm start, the mean of its seeds' differences and its pairs."""
     write_study(tmp_path / "study", DECLARED, STEADY)
