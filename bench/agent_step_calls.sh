@@ -3,11 +3,11 @@
 # tool on one warm machine: calls back to back in ONE message (a machine is given back 30 s after a call; /tmp stays):
 #   1 call, carry [".vc"]:                    bash bench/agent_step_calls.sh trl
 #       the trl stack to /tmp/proj (.vc/trl: bash bench/carry_parts.sh trl)
-#   17 calls, carry [".dv00"] ... [".dv16"]:  bash bench/agent_step_calls.sh part    (the last: part install 17)
-#       vLLM 0.20.2's bundle, one 20 MiB part a call (a call carries the working tree too, 64 MiB in all): the
-#       closure of ../shared/gpu/vllm-wheels.py in 20 MiB parts, each in a git-excluded folder of its own
-#       (.dvNN/partNN: bash bench/carry_parts.sh vllm); `install N` checks that N parts came, joins them and
-#       installs to /tmp/site
+#   N calls, carry [".dv00"] ... :            bash bench/agent_step_calls.sh part    (the last: part install N)
+#       vLLM 0.20.2's bundle, one part a call (a call carries the working tree too, 64 MiB in all): the closure of
+#       ../shared/gpu/vllm-wheels.py in parts, each in a git-excluded folder of its own (.dvNN/partNN: `PART_MIB=16
+#       bash bench/carry_parts.sh vllm` beside the 42 MB tree: 21 parts); `install N` checks that N parts came, joins
+#       them and installs to /tmp/site
 #   2 calls:  bash bench/agent_step_calls.sh measure sync own-partial
 #             bash bench/agent_step_calls.sh measure own in-partial
 #       each variant in turn (vLLM starts anew in each: ~60 s of a variant's ~200 s), its JSON and log in $OUT, then

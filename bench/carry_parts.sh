@@ -11,8 +11,9 @@
 #   bash bench/carry_parts.sh verl   .dl00 .. .dlNN: the verl stack (bench/gpu_wheels.py --stack verl) in 20 MiB parts,
 #                                    .dlNN/partNN, install.sh with the last: there `cp .dlNN/* /tmp/vv/` a call, then
 #                                    `bash /tmp/vv/install.sh /tmp/proj` once all are in; ~1 min
-# PART_MIB (default 20): a part's size for vllm and verl. A call carries the tracked tree beside its part (39 MB after
-# the ablation study's round 4, ~3.5 MB more a round): where tree + part nears 64 MiB, smaller parts, more calls.
+# PART_MIB (default 20): a part's size for vllm and verl. A call carries the tracked tree beside its part: 39 MB and a
+# 20 MiB part came to 57.4 MiB on the device (2026-11-29); the tree is 42 MB since the ablation study's last round, so
+# PART_MIB=16 (vLLM in 21 parts, `part install 21`) until it shrinks. Where tree + part nears 64 MiB: smaller parts.
 # Each ends by listing what it wrote and the carry of each call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
