@@ -13,7 +13,7 @@
 #       each variant in turn (vLLM starts anew in each: ~60 s of a variant's ~200 s), its JSON and log in $OUT, then
 #       the table of the call's JSONs (bench/agent_rollouts.py --table); LIMIT (default 540) seconds from the call's
 #       start, after which a variant still running is stopped (its JSON is then missing, its log says how far it got);
-#       a variant is not started with under 200 s left
+#       a variant is not started with under 200 s left; MICRO_BATCH (default 4) sets every variant's micro-batch
 # Variants (bench/agent_rollouts.py, the 1.5B workload: 32 tasks x 4, 3 SQL turns with the check step, 4 timed steps
 # after 1 warm-up, micro-batch 4, vLLM at 0.3 of the GPU: what bench/README.md's earlier rows ran):
 #   sync         synchronous, vLLM in the trainer's process (the default)
@@ -24,7 +24,7 @@
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-BENCH="bench/agent_rollouts.py --shape qwen25_1_5b --engine vllm --warmup 1 --steps 4 --micro-batch 4"
+BENCH="bench/agent_rollouts.py --shape qwen25_1_5b --engine vllm --warmup 1 --steps 4 --micro-batch ${MICRO_BATCH:-4}"
 declare -A VARIANT=(
   [sync]="--override backend.vllm_gpu_memory_utilization=0.3"
   [own]="--async --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
