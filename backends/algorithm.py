@@ -54,6 +54,9 @@ class GRPO:
     # with async_rollouts: each step's weights load while the batch read ahead still generates (it finishes under
     # them) and the next batch starts before that one is waited for: two batches in flight
     partial_rollouts: bool = False
+    # with partial_rollouts: a step trains the groups that finished first (older read-aheads first) and carries the
+    # unfinished ones over to later steps, generating on, so its longest rollouts stop setting the step
+    carry_over: bool = False
     # a rollout sampled in part by weights more than this many optimizer steps older than those it trains is
     # excluded (`stale`); None: no bound
     max_staleness: int | None = number(1, ge=0)
@@ -62,6 +65,12 @@ class GRPO:
         if self.partial_rollouts and not self.async_rollouts:
             raise ValueError("algorithm.partial_rollouts: a batch read ahead that finishes under the next weights; it "
                              "needs algorithm.async_rollouts=true")  # fmt: skip
+        if self.carry_over and not self.partial_rollouts:
+            raise ValueError("algorithm.carry_over takes the groups finished first from partial rollouts' batches in "
+                             "flight; it needs algorithm.partial_rollouts=true")  # fmt: skip
+        if self.carry_over and self.max_staleness is not None and self.max_staleness < 2:
+            raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.carry_over: every group "
+                             f"carried over is two steps old or more, excluded (set 2 or more, or null)")  # fmt: skip
         if self.async_rollouts and self.max_staleness is not None and self.max_staleness < 1:
             raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.async_rollouts: every batch "
                              f"read ahead is one step old and would be excluded (set 1 or more, or null)")  # fmt: skip

@@ -31,7 +31,8 @@ not timed: the last step of a run has nothing generating behind it. Side by side
     for a in "" --async; do python bench/agent_rollouts.py --engine vllm --steps 4 $a --out r_vllm$a.json; done
 
 `--async --partial` adds `algorithm.partial_rollouts` (each step loads its weights while the batch read ahead still
-generates and starts the next batch before waiting for it).
+generates and starts the next batch before waiting for it); with `--override algorithm.carry_over=true
+algorithm.max_staleness=2` a step trains the groups finished first and carries the others over.
 
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
@@ -243,6 +244,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             asynchronous=args.asynchronous,
             partial=args.partial,
             max_staleness=algo.max_staleness,  # as a training run: a rollout staler than that is excluded
+            carry_over=algo.carry_over,
+            group_size=algo.group_size,
         )
 
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -264,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "rollout_s": stats["timing_s/rollout"],  # async: what the step waited for its rollouts
                         "rollout_generation_s": stats.get("timing_s/rollout_generation", stats["timing_s/rollout"]),
                         "staleness": stats.get("rollout/staleness", 0.0),
+                        "carried_over": stats.get("rollout/carried_over", 0.0),  # carry-over: groups from earlier steps
                         "weight_sync_s": stats["timing_s/weight_sync"],
                         "generated_tokens": rollouts.last_tokens["generated"],  # the step's batch's
                         "excluded_rate": stats["rollout/excluded_rate"],
@@ -293,6 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             lookahead=args.asynchronous,
+            take_rows=rollouts.take if algo.carry_over else None,
         )
         # after GRPOTrainer, which sets the tokenizer's eos there; the policy server reads generation_config's
         model.generation_config.eos_token_id = NO_TOKEN
@@ -316,6 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine": type(engine).__name__,
             "asynchronous": args.asynchronous,
             "partial": args.partial,
+            "carry_over": algo.carry_over,
             "per_step": per_step,
             "step_s": timer.steps,
             "median_step_s": statistics.median(steps),
@@ -352,7 +358,8 @@ def table(results: list[dict[str, Any]]) -> str:
         x_roll = f"{base['median_rollout_s'] / r['median_rollout_s']:.1f}" if base else "-"
         x_step = f"{base['median_step_s'] / r['median_step_s']:.1f}" if base else "-"
         peak = f"{r['peak_device_used_gib']:.1f}"
-        engine = r["engine"] + (" (partial)" if r.get("partial") else " (async)" if r.get("asynchronous") else "")
+        mode = "carry-over" if r.get("carry_over") else "partial" if r.get("partial") else "async"
+        engine = r["engine"] + (f" ({mode})" if r.get("asynchronous") else "")
         lines.append(
             f"| {r['shape']} | {engine} | {r['median_rollout_s']:.1f} | {x_roll} "
             f"| {r['median_generated_tokens']:.0f} | {r['rollout_tokens_per_s']:.0f} | {100 * r['bound_share']:.1f} "

@@ -21,6 +21,7 @@
 #   own-partial  the same with algorithm.partial_rollouts (which also turns vLLM's asynchronous scheduling off:
 #                vllm-project/vllm#42043; `own` keeps vLLM's default, on)
 #   in-partial   partial rollouts with vLLM in the trainer's process
+#   own-carry    own-partial with algorithm.carry_over: a step trains the groups finished first, the others carry over
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -30,6 +31,8 @@ declare -A VARIANT=(
   [own]="--async --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
   [own-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
   [in-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3"
+  [own-carry]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true
+    algorithm.carry_over=true algorithm.max_staleness=2"
 )
 
 end_gpu_processes() {  # what a variant left on the GPU (a warm machine keeps it into the next call), up to 30 s

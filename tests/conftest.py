@@ -103,9 +103,11 @@ def agent_trainer(
     tasks_per_step: int,
     lookahead: bool,
     callbacks: list[Any] | None = None,
+    take_rows: Callable[..., list[dict[str, Any]]] | None = None,
 ) -> Any:
     """The GRPO trainer the rollout tests train through: two epochs over `tasks` on CPU, micro-batches of 2, the
-    rollouts' rewards as they come ("half"), token-truncated IS correction; `lookahead` for asynchronous rollouts."""
+    rollouts' rewards as they come ("half"), token-truncated IS correction; `lookahead` for asynchronous rollouts,
+    `take_rows` for carry-over."""
     from datasets import Dataset
 
     from backends.algorithm import GRPO
@@ -125,6 +127,7 @@ def agent_trainer(
         callbacks=callbacks,
         is_correction="token_truncate",
         lookahead=lookahead,
+        take_rows=take_rows,
     )
 
 

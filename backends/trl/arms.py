@@ -118,6 +118,8 @@ class GRPOArm:
             asynchronous=overlap,
             partial=algo.partial_rollouts,
             max_staleness=algo.max_staleness,
+            carry_over=algo.carry_over,
+            group_size=algo.group_size,
         )
         train_s = 0.0
         if ctx.resume_from is not None:  # the budgets count the training before the restart
@@ -138,6 +140,7 @@ class GRPOArm:
             lookahead=overlap,  # the next step's prompts, for the rollouts generated during this step's update
             checkpoint_bytes=None if setup.disk_plan is None else setup.disk_plan["checkpoint_bytes_per_rank"],
             budget_spent=clock.spent,  # a resumed run spent before its restart trains no step
+            take_rows=rollouts.take if algo.carry_over else None,
         )
         step_log = StepLog(run, clock, rollouts, ctx.validation.during(trainer), trainer)
         trainer.add_callback(step_log)
@@ -170,6 +173,8 @@ class GRPOArm:
             "async_rollouts": ctx.algo.overlapped,
             "partial_rollouts": ctx.algo.partial_rollouts,
             "prefetch_missed": rollouts.missed,  # async: batches read ahead that no step asked for
+            "carry_over": ctx.algo.carry_over,
+            "groups_dropped": rollouts.dropped,  # carry-over: groups read ahead that no step took, never trained
             "discarded_in_flight": discarded,
             "wall_s": wall_s,
             "train_s": step_log.clock.train_s,

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +73,38 @@ class InFlight:
         return self.future.result()
 
 
+@dataclass
+class Group:
+    """Carry-over: one task's group of rollouts read ahead, its dataset rows (`group_size` copies of the task), the
+    optimizer step it was read ahead for, and its generation on the background loop."""
+
+    rows: list[dict[str, Any]]
+    for_step: int
+    inflight: InFlight
+
+
+@dataclass
+class Taken:
+    """Carry-over: what a step took from the groups in flight, kept from `take` until TRL's rollout function asks."""
+
+    generated: Generated
+    timings: dict[str, float]
+    upcoming: bool  # groups were read ahead for the next step
+
+
+def merged(generated: list[Generated]) -> Generated:
+    """Groups generated apart as one batch, in their order: its wall time the longest group's, its start the oldest
+    group's weights."""
+    return Generated(
+        [p for g in generated for p in g.prompts],
+        [r for g in generated for r in g.rollouts],
+        [c for g in generated for c in g.records],
+        max(g.wall_s for g in generated),
+        all(g.prefetched for g in generated),
+        min(g.started_version for g in generated),
+    )
+
+
 class GenerationLoop:
     """One event loop, in a thread of its own, for every batch of a run's asynchronous rollouts: two batches in
     flight at once (partial rollouts) share the batcher's state, which belongs to one loop."""
@@ -117,9 +149,13 @@ class AgentRollouts:
         asynchronous: bool = False,
         partial: bool = False,
         max_staleness: int | None = None,
+        carry_over: bool = False,
+        group_size: int = 1,
     ) -> None:
         if partial and not asynchronous:
             raise ValueError("partial rollouts are asynchronous rollouts whose batch in flight spans a weight load")
+        if carry_over and not partial:
+            raise ValueError("carry-over takes the groups finished first from partial rollouts' batches in flight")
         self.agent = agent
         self.reward = reward
         self.server = server
@@ -144,8 +180,18 @@ class AgentRollouts:
         self._loop: GenerationLoop | None = None  # asynchronous: where every batch generates
         self._inflight: InFlight | None = None
         self.missed = 0  # batches read ahead for prompts the step did not ask for (generated again)
+        # algorithm.carry_over: a step trains the groups that finished first, older read-aheads first; the others
+        # carry over to later steps, generating on (`take`)
+        self.carry_over = carry_over
+        self.group_size = group_size  # rollouts per task: a group is taken whole or not at all
+        self._pool: list[Group] = []  # carry-over: the groups in flight or done and not yet taken, oldest first
+        self._read_ahead_for: int | None = None  # carry-over: the step whose rows are in the pool already
+        self._taken: Taken | None = None
+        self.dropped = 0  # carry-over: groups read ahead that no step took (the run stopped before), never trained
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        if self.carry_over:
+            return self._carried(prompts, trainer)
         if self.asynchronous:
             return self._asynchronous(prompts, trainer)
         start = time.perf_counter()  # a sharded model's weights are gathered on every rank, then loaded
@@ -168,6 +214,80 @@ class AgentRollouts:
         return self._batch(
             generated, step, {"timing_s/rollout": generated.wall_s, "timing_s/weight_sync": weight_sync_s}
         )
+
+    def take(self, rows: list[dict[str, Any]], trainer: Any) -> list[dict[str, Any]]:
+        """Carry-over: the rows this step trains, in place of `rows` (the ones the Trainer read for it), before TRL
+        asks the rollout function for them. The step's weights load (rollouts in flight go on under them), the next
+        step's groups start, and then the step takes as many whole groups as `rows` holds: the first to finish, and
+        of those the ones read ahead for the earliest steps. The others carry over, generating on under every later
+        load; `algorithm.max_staleness` excludes a rollout carried too long. Each group read ahead is taken once."""
+        start = time.perf_counter()
+        step = trainer.state.global_step
+        if len(rows) % self.group_size:
+            raise ValueError(f"a step's {len(rows)} rows are not whole groups of {self.group_size}")
+        if self.memory is not None:
+            self.memory.sample()  # the end of the previous update (without NVML, its only sample)
+            self.memory.phase = "rollout"
+        weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
+        if self._read_ahead_for != step:  # nothing read ahead for this step: the first, or after a budget stop
+            self._add(rows, step, prefetched=False)
+        upcoming = self._upcoming_rows(trainer, step)
+        self._read_ahead_for = None if upcoming is None else step + 1
+        if upcoming is not None:
+            self._add(upcoming, step + 1, prefetched=True)
+        groups = self._first_done(len(rows) // self.group_size)
+        if self.memory is not None:
+            self.memory.phase = "update"
+        generated = merged([g.inflight.wait() for g in groups])
+        n = len(groups)
+        self._taken = Taken(
+            generated,
+            {
+                "timing_s/rollout": time.perf_counter() - start - weight_sync_s,  # waiting for the groups taken
+                "timing_s/rollout_generation": generated.wall_s,  # the longest group's own time, overlapped or not
+                "timing_s/weight_sync": weight_sync_s,
+                "rollout/prefetched": float(generated.prefetched),
+                "rollout/carried_over": sum(g.for_step < step for g in groups) / n,  # read ahead for earlier steps
+                "rollout/taken_early": sum(g.for_step > step for g in groups) / n,  # read ahead for later steps
+                "rollout/groups_in_flight": float(len(self._pool)),  # after the take: what carries over
+            },
+            upcoming is not None,
+        )
+        return [dict(row) for g in groups for row in g.rows]
+
+    def _upcoming_rows(self, trainer: Any, step: int) -> list[dict[str, Any]] | None:
+        """The next step's rows where they are read ahead (`_upcoming`'s rule)."""
+        last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
+        return None if last else trainer.upcoming_rows()
+
+    def _add(self, rows: list[dict[str, Any]], for_step: int, prefetched: bool) -> None:
+        """`rows`' groups into the pool, each generating on its own (rollouts numbered in the rows' order)."""
+        for i in range(0, len(rows), self.group_size):
+            group = rows[i : i + self.group_size]
+            if any(row["prompt"] != group[0]["prompt"] for row in group):
+                raise ValueError(f"rows {i}-{i + self.group_size - 1} are not one task's group")
+            self._pool.append(Group(group, for_step, self._submit([row["prompt"] for row in group], prefetched)))
+
+    def _first_done(self, wanted: int) -> list[Group]:
+        """The `wanted` groups of the pool that finished first, taken out of it in the pool's order (older
+        read-aheads first): waits until that many are done (a failed group is done; its error comes on `wait`)."""
+        if len(self._pool) < wanted:
+            raise RuntimeError(f"{len(self._pool)} groups in flight for a step of {wanted}: each step adds its own")
+        while sum(g.inflight.future.done() for g in self._pool) < wanted:
+            wait_for_futures([g.inflight.future for g in self._pool if not g.inflight.future.done()],
+                             return_when=FIRST_COMPLETED)  # fmt: skip
+        taken = [g for g in self._pool if g.inflight.future.done()][:wanted]
+        self._pool = [g for g in self._pool if all(g is not t for t in taken)]
+        return taken
+
+    def _carried(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        """Carry-over: the batch `take` chose for this step (the prompts TRL asks for are its rows')."""
+        taken, self._taken = self._taken, None
+        if taken is None or taken.generated.prompts != prompts:
+            raise RuntimeError("carry-over: the rollout function was asked for other prompts than the step took")
+        if not taken.upcoming and not self._pool:
+            self.server.engine.sleep()  # nothing to generate during this update
+        return self._batch(taken.generated, trainer.state.global_step, taken.timings)
 
     def _asynchronous(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """This step's rollouts, generated during the previous step's update where they were read ahead (one step
@@ -273,6 +393,8 @@ class AgentRollouts:
         loads other weights into it)."""
         if self._inflight is not None:
             self._inflight.wait()
+        for group in self._pool:
+            group.inflight.wait()
 
     def _matching(self, inflight: InFlight | None, prompts: list[Any]) -> InFlight | None:
         """The batch that was in flight, when it was read ahead for `prompts`; else None (one for other prompts is
@@ -289,17 +411,22 @@ class AgentRollouts:
         return None
 
     def close(self, wait: bool = True) -> int:
-        """Drop the batch in flight (training stopped before its step), once it is done (`wait`; else, a failing run,
-        it stops with the loop at its next await), and stop the background loop; 1 when there was a batch."""
+        """Drop the batch in flight (training stopped before its step) and carry-over's groups not taken (counted in
+        `dropped`), once they are done (`wait`; else, a failing run, they stop with the loop at its next await), and
+        stop the background loop; 1 when there was a batch or a group."""
         inflight, self._inflight = self._inflight, None
-        if inflight is not None and wait:
-            with contextlib.suppress(Exception):
-                inflight.wait()
+        pool, self._pool = self._pool, []
+        self.dropped += len(pool)
+        if (inflight is not None or pool) and wait:
+            for batch in [inflight, *(g.inflight for g in pool)]:
+                if batch is not None:
+                    with contextlib.suppress(Exception):
+                        batch.wait()
             self.server.engine.sleep()
         if self._loop is not None:
             self._loop.close(wait)
             self._loop = None
-        return int(inflight is not None)
+        return int(inflight is not None or bool(pool))
 
     def _batch(self, generated: Generated, step: int, timings: dict[str, float]) -> dict[str, Any]:
         """TRL's batch from the generated rollouts (excluded ones masked) for the trainer's `step` (a rollout sampled

@@ -166,12 +166,16 @@ class AgentGRPOTrainer(GRPOTrainer):
         lookahead: bool = False,
         checkpoint_bytes: int | None = None,
         budget_spent: Callable[[], bool] = lambda: False,
+        take_rows: Callable[[list[dict[str, Any]], Any], list[dict[str, Any]]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoint_bytes = checkpoint_bytes  # what one rank writes a checkpoint (backends/disk.py's plan)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
         self.budget_spent = budget_spent  # the run's time, FLOPs or GPU-seconds budget (a collective)
+        # algorithm.carry_over: the rows a training step trains, chosen before TRL generates for them
+        # (`AgentRollouts.take`); None: the rows the Trainer read for it
+        self.take_rows = take_rows
         one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
         if self.num_iterations != 1 or not one_generation_a_step:  # the loss's forward scores, batches by length
             raise ValueError("one generation per optimizer step, trained once (num_iterations 1, "
@@ -254,12 +258,15 @@ class AgentGRPOTrainer(GRPOTrainer):
                 self._next_batches = (None, upcoming, following) if upcoming else None
         return batches, self._get_num_items_in_batch(batches, device)
 
-    def upcoming_prompts(self) -> list[Any] | None:
-        """The prompts the next optimizer step generates for (this rank's share), None where not read ahead (the
+    def upcoming_rows(self) -> list[dict[str, Any]] | None:
+        """The dataset rows the next optimizer step generates for (this rank's share), None where not read ahead (the
         last step; without `lookahead`). One generation a step: its first micro-batch holds them all."""
-        if self._next_batches is None:
-            return None
-        return [example["prompt"] for example in self._next_batches[1][0]]
+        return None if self._next_batches is None else list(self._next_batches[1][0])
+
+    def upcoming_prompts(self) -> list[Any] | None:
+        """The prompts of `upcoming_rows`."""
+        rows = self.upcoming_rows()
+        return None if rows is None else [example["prompt"] for example in rows]
 
     def _clip_grad_norm(self, model: Any) -> Any:
         grad_norm = super()._clip_grad_norm(model)
@@ -293,6 +300,8 @@ class AgentGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         start = time.perf_counter()
         try:
+            if self.model.training and self.take_rows is not None:
+                inputs = self.take_rows(inputs, self)  # the groups finished first: TRL scores and logs them
             output = super()._generate_and_score_completions(inputs)
             if self.accept_reward is not None:
                 self.rejection_sampled(output)

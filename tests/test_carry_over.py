@@ -1,0 +1,193 @@
+"""Carry-over (`algorithm.carry_over`, with partial rollouts): a step trains the groups that finished first, older
+read-aheads first, and carries the unfinished ones over to later steps, where they generate on under each load. A
+group is taken whole, once; every token keeps the log-prob it was sampled with; a rollout carried past
+`max_staleness` is excluded (`stale`) and counted, never trained; TRL scores and logs the rows the step took.
+
+The pipeline runs on a micro model through AgentGRPOTrainer's own loop with the HF engine: 6 tasks, 2 a step, groups
+of 2, 2 epochs. The first group read ahead straggles: its rollouts send their second call only once step 2's weights
+are loaded, so steps 0 and 1 go on without it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from transformers import TrainerCallback
+
+from agent.llm import OpenAIChat
+from agent.trajectory import Trajectory
+from backends.algorithm import GRPO
+from backends.samples import Sample, flatten
+from backends.trl.rollouts import AgentRollouts, Generated
+from inference.hf import HFGenerate
+from inference.policy_server import PolicyServer
+from inference.weights import GenerationWeights
+from tests.conftest import HalfReward, agent_trainer, micro_tiny
+from tests.test_partial_rollouts import TASKS, WAIT_S, until
+
+GROUP, TASKS_PER_STEP, STEPS, STRAGGLE_UNTIL = 2, 2, 6, 2
+
+
+@dataclass
+class StragglingAgent:
+    """Two calls a rollout; the rollouts of the task in `straggler` started before step STRAGGLE_UNTIL send their
+    second call only once that step's weights are loaded (waiting at most WAIT_S; `came` says whether they came)."""
+
+    server: PolicyServer
+    straggler: list[str] = field(default_factory=list)
+    came: list[bool] = field(default_factory=list)
+
+    async def run(self, task: dict[str, Any], llm: OpenAIChat) -> Trajectory:
+        messages = [{"role": "user", "content": task["question"]}]
+        messages += [{"role": "assistant", "content": await llm.chat(messages)}, {"role": "user", "content": "Why?"}]
+        if task["id"] in self.straggler and self.server.ledger.weights_version < STRAGGLE_UNTIL:  # the first epoch
+            self.came.append(await until(lambda: self.server.ledger.weights_version >= STRAGGLE_UNTIL, WAIT_S))
+        messages.append({"role": "assistant", "content": await llm.chat(messages)})
+        return Trajectory(messages=messages, answer=task["id"], turns=2)
+
+
+class Watched(AgentRollouts):
+    """Marks the first group read ahead as the straggler (its first epoch only) and records each step's take."""
+
+    def __init__(self, *args: Any, agent: StragglingAgent, **kwargs: Any) -> None:
+        super().__init__(agent, *args, **kwargs)
+        self.takes: list[Take] = []
+        self.added: list[tuple[str, int]] = []  # (task, the step it was read ahead for), in the order added
+
+    def _add(self, rows: list[dict[str, Any]], for_step: int, prefetched: bool) -> None:
+        for i in range(0, len(rows), self.group_size):
+            task = json.loads(rows[i]["prompt"])["id"]
+            if not self.added:
+                self.agent.straggler.append(task)
+            self.added.append((task, for_step))
+        super()._add(rows, for_step, prefetched)
+
+    def _batch(self, generated: Generated, step: int, timings: dict[str, float]) -> dict[str, Any]:
+        batch = super()._batch(generated, step, timings)
+        tasks = [json.loads(p)["id"] for p in generated.prompts[:: self.group_size]]
+        self.takes.append(Take(step, tasks, dict(self.last_stats), generated, self.last_samples))
+        return batch
+
+
+class LoggedPrompts(TrainerCallback):
+    """The prompts TRL logged (its completions table's) at each step's end."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.steps: list[list[str]] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps.append(list(self.trainer._logs["prompt"]))
+
+
+@dataclass
+class Take:
+    step: int
+    tasks: list[str]  # one a group
+    stats: dict[str, float]
+    generated: Generated
+    samples: list[Sample]
+
+
+@pytest.mark.parametrize("max_staleness", [2, 1])
+def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
+    tmp_path: Path, max_staleness: int
+) -> None:
+    spec = micro_tiny(tmp_path / "models")
+    source = spec.prepare([t["question"] for t in TASKS] * 10 + ["Why?"] * 10)
+    model, tokenizer = spec.load_model(source, "cpu"), spec.load_tokenizer(source)
+    server = PolicyServer(model, tokenizer, max_prompt_tokens=128, max_response_tokens=32, engine=HFGenerate())
+    agent = StragglingAgent(server)
+    rollouts = Watched(
+        HalfReward(),
+        server,
+        {"temperature": 1.0, "max_tokens": 6},
+        32,
+        10.0,
+        GenerationWeights("cpu", model.dtype, snapshot=True),
+        agent=agent,
+        asynchronous=True,
+        partial=True,
+        max_staleness=max_staleness,
+        carry_over=True,
+        group_size=GROUP,
+    )
+    logged = LoggedPrompts()
+    trainer = agent_trainer(
+        model,
+        tokenizer,
+        TASKS,
+        rollouts,
+        tmp_path / "out",
+        GROUP,
+        TASKS_PER_STEP,
+        lookahead=True,
+        callbacks=[logged],
+        take_rows=rollouts.take,
+    )
+    logged.trainer = trainer
+    trainer.train()
+    assert trainer.state.global_step == STEPS and agent.came == [True] * GROUP
+    (straggler,) = agent.straggler
+
+    # the first step adds its own groups and the next step's; every later step but the last the next step's
+    assert [s for _, s in rollouts.added] == [0, 0] + [step + 1 for step in range(STEPS - 1) for _ in range(2)]
+    # each group read ahead is taken once, whole, by one step: each epoch's tasks once each; nothing left over
+    taken = [task for take in rollouts.takes for task in take.tasks]
+    assert sorted(taken) == sorted(t for t, _ in rollouts.added) and len(taken) == STEPS * TASKS_PER_STEP
+    assert sorted(taken) == sorted([t["id"] for t in TASKS] * 2)
+    for take in rollouts.takes:  # whole groups: each task's group_size rollouts side by side
+        ids = [json.loads(p)["id"] for p in take.generated.prompts]
+        assert ids == [task for task in ids[::GROUP] for _ in range(GROUP)]
+    assert [take.step for take in rollouts.takes] == list(range(STEPS))
+    assert rollouts.close() == 0 and rollouts.dropped == 0
+    # TRL scored and logged the rows each step took, not the ones the Trainer read for it
+    assert logged.steps == [take.generated.prompts for take in rollouts.takes]
+
+    # steps 0 and 1 did not wait for the straggler: it was taken by the step whose weights its second call waited
+    # for, carried over from step 0, its calls sampled by step 0's and step 2's weights
+    take = next(take for take in rollouts.takes if straggler in take.tasks)
+    assert take.step == STRAGGLE_UNTIL and take.stats["rollout/carried_over"] == 1 / TASKS_PER_STEP
+    assert take.stats["rollout/staleness"] == STRAGGLE_UNTIL
+    assert sum(t.stats["rollout/taken_early"] for t in rollouts.takes[:STRAGGLE_UNTIL]) > 0  # later groups filled in
+    first = take.tasks.index(straggler) * GROUP
+    straggled = range(first, first + GROUP)
+    for i in straggled:
+        assert [c.weights_version for c in take.generated.records[i]] == [0, STRAGGLE_UNTIL]
+    # within the bound the straggler trains as sampled; beyond it, it is excluded (stale) and counted, never trained
+    expected = None if max_staleness >= STRAGGLE_UNTIL else "stale"
+    assert [take.samples[i].excluded for i in straggled] == [expected] * GROUP
+    assert take.stats["rollout/excluded_stale_rate"] == (0.0 if expected is None else 1 / TASKS_PER_STEP)
+    for t in rollouts.takes:  # token-exact: each trained sample is its sampled calls' tokens, with their log-probs
+        for calls, sample in zip(t.generated.records, t.samples, strict=True):
+            if sample.excluded is None:
+                assert sample == flatten(calls, 32)
+                model_logprobs = [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m]
+                assert model_logprobs == [lp for call in calls for lp in call.logprobs or []] and model_logprobs
+            else:
+                assert sample.env_mask == [0] and t is take
+
+
+def test_carry_over_needs_partial_rollouts_and_a_bound_that_keeps_a_group_carried_once() -> None:
+    with pytest.raises(ValueError, match=r"algorithm\.carry_over"):
+        GRPO(async_rollouts=True, carry_over=True)
+    with pytest.raises(ValueError, match=r"algorithm\.max_staleness=1 with algorithm\.carry_over"):
+        GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True)
+    assert GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=2).carry_over
+    assert GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=None).carry_over
+    with pytest.raises(ValueError, match="partial"):
+        AgentRollouts(None, None, None, {}, 8, asynchronous=True, carry_over=True)  # type: ignore[arg-type]
+
+
+def test_rows_that_are_not_whole_groups_are_refused_before_anything_generates() -> None:
+    rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
+    with pytest.raises(ValueError, match="not whole groups of 2"):
+        rollouts.take([{"prompt": "a"}, {"prompt": "a"}, {"prompt": "b"}], trainer)
+    with pytest.raises(ValueError, match="not one task's group"):
+        rollouts._add([{"prompt": "a"}, {"prompt": "b"}], 0, prefetched=False)
+    assert rollouts._loop is None and rollouts._pool == []
