@@ -69,8 +69,8 @@ class GRPO:
             raise ValueError("algorithm.carry_over takes the groups finished first from partial rollouts' batches in "
                              "flight; it needs algorithm.partial_rollouts=true")  # fmt: skip
         if self.carry_over and self.max_staleness is not None and self.max_staleness < 2:
-            raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.carry_over: every group "
-                             f"carried over is two steps old or more, excluded (set 2 or more, or null)")  # fmt: skip
+            raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.carry_over: a group read "
+                             f"ahead and carried over is two steps old, excluded (set 2 or more, or null)")  # fmt: skip
         if self.async_rollouts and self.max_staleness is not None and self.max_staleness < 1:
             raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.async_rollouts: every batch "
                              f"read ahead is one step old and would be excluded (set 1 or more, or null)")  # fmt: skip
@@ -115,6 +115,11 @@ class GRPO:
                 "processes (resources.gpus_per_node)"
             )
         share = self.batch_size // ranks
+        if self.carry_over and share % self.group_size:
+            raise ConfigError(
+                f"algorithm.carry_over takes whole groups on each rank: {ranks} processes' shares of {share} "
+                f"sequences are not whole groups of algorithm.group_size={self.group_size}"
+            )
         micro = math.gcd(share, self.micro_batch_size)
         return micro, share // micro
 

@@ -10,6 +10,8 @@ are loaded, so steps 0 and 1 go on without it."""
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,7 +24,8 @@ from agent.llm import OpenAIChat
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
 from backends.samples import Sample, flatten
-from backends.trl.rollouts import AgentRollouts, Generated
+from backends.trl.rollouts import AgentRollouts, Generated, Group, InFlight
+from foundation.errors import ConfigError
 from inference.hf import HFGenerate
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
@@ -69,7 +72,7 @@ class Watched(AgentRollouts):
     def _batch(self, generated: Generated, step: int, timings: dict[str, float]) -> dict[str, Any]:
         batch = super()._batch(generated, step, timings)
         tasks = [json.loads(p)["id"] for p in generated.prompts[:: self.group_size]]
-        self.takes.append(Take(step, tasks, dict(self.last_stats), generated, self.last_samples))
+        self.takes.append(Take(step, tasks, dict(self.last_stats), generated, self.last_samples, batch))
         return batch
 
 
@@ -91,6 +94,7 @@ class Take:
     stats: dict[str, float]
     generated: Generated
     samples: list[Sample]
+    batch: dict[str, Any]  # what TRL got
 
 
 @pytest.mark.parametrize("max_staleness", [2, 1])
@@ -162,8 +166,9 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
     expected = None if max_staleness >= STRAGGLE_UNTIL else "stale"
     assert [take.samples[i].excluded for i in straggled] == [expected] * GROUP
     assert take.stats["rollout/excluded_stale_rate"] == (0.0 if expected is None else 1 / TASKS_PER_STEP)
-    for t in rollouts.takes:  # token-exact: each trained sample is its sampled calls' tokens, with their log-probs
-        for calls, sample in zip(t.generated.records, t.samples, strict=True):
+    for t in rollouts.takes:  # token-exact: what TRL trains is the sampled calls' tokens, with their log-probs
+        for i, (calls, sample) in enumerate(zip(t.generated.records, t.samples, strict=True)):
+            assert t.batch["completion_ids"][i] == sample.completion_ids and t.batch["logprobs"][i] == sample.logprobs
             if sample.excluded is None:
                 assert sample == flatten(calls, 32)
                 model_logprobs = [lp for lp, m in zip(sample.logprobs, sample.env_mask, strict=True) if m]
@@ -181,6 +186,11 @@ def test_carry_over_needs_partial_rollouts_and_a_bound_that_keeps_a_group_carrie
     assert GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=None).carry_over
     with pytest.raises(ValueError, match="partial"):
         AgentRollouts(None, None, None, {}, 8, asynchronous=True, carry_over=True)  # type: ignore[arg-type]
+    algo = GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=2, group_size=8,
+                tasks_per_step=4, micro_batch_size=4)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"not whole groups of algorithm\.group_size=8"):
+        algo.per_rank(8)  # 4 sequences a rank: half a group
+    assert algo.per_rank(4) == (4, 2)
 
 
 def test_rows_that_are_not_whole_groups_are_refused_before_anything_generates() -> None:
@@ -191,3 +201,22 @@ def test_rows_that_are_not_whole_groups_are_refused_before_anything_generates() 
     with pytest.raises(ValueError, match="not one task's group"):
         rollouts._add([{"prompt": "a"}, {"prompt": "b"}], 0, prefetched=False)
     assert rollouts._loop is None and rollouts._pool == []
+
+
+def test_a_step_that_saves_a_checkpoint_takes_no_group_read_ahead_for_a_later_step() -> None:
+    """So that the pool then holds only the next step's groups, which a resumed run generates anew."""
+    rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True)  # type: ignore[arg-type]
+    carried: Future[Generated] = Future()
+    early: Future[Generated] = Future()
+    early.set_result(Generated(["b"], [], [], 1.0, True))
+    own = Group([{"prompt": "a"}], 1, InFlight(["a"], carried))
+    ahead = Group([{"prompt": "b"}], 2, InFlight(["b"], early))
+    rollouts._pool = [own, ahead]
+    assert rollouts._first_done(1) == [ahead] and rollouts._pool == [own]  # not saving: the first done
+    rollouts._pool = [own, ahead]
+    finish = threading.Timer(0.05, carried.set_result, (Generated(["a"], [], [], 1.0, True),))
+    finish.start()
+    try:
+        assert rollouts._first_done(1, up_to=1) == [own] and rollouts._pool == [ahead]  # waited for its own
+    finally:
+        finish.cancel()

@@ -186,8 +186,9 @@ class AgentRollouts:
         self.group_size = group_size  # rollouts per task: a group is taken whole or not at all
         self._pool: list[Group] = []  # carry-over: the groups in flight or done and not yet taken, oldest first
         self._read_ahead_for: int | None = None  # carry-over: the step whose rows are in the pool already
+        self._read_ahead: list[Any] = []  # carry-over: their prompts
         self._taken: Taken | None = None
-        self.dropped = 0  # carry-over: groups read ahead that no step took (the run stopped before), never trained
+        self.dropped = 0  # carry-over: groups read ahead that no step of this run took (a resumed run makes them anew)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         if self.carry_over:
@@ -229,13 +230,19 @@ class AgentRollouts:
             self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
         weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
-        if self._read_ahead_for != step:  # nothing read ahead for this step: the first, or after a budget stop
+        if self._read_ahead_for != step:  # nothing read ahead for this step: the first, or after a resume
             self._add(rows, step, prefetched=False)
+        elif [r["prompt"] for r in rows] != self._read_ahead:
+            raise RuntimeError(f"carry-over: step {step}'s rows are not the ones read ahead for it")
         upcoming = self._upcoming_rows(trainer, step)
         self._read_ahead_for = None if upcoming is None else step + 1
         if upcoming is not None:
+            self._read_ahead = [r["prompt"] for r in upcoming]
             self._add(upcoming, step + 1, prefetched=True)
-        groups = self._first_done(len(rows) // self.group_size)
+        # a step that saves a checkpoint trains this step's groups and those carried, none read ahead: the pool then
+        # holds only the next step's, which a run resumed from the checkpoint generates anew (nothing twice or lost)
+        saves = (step + 1) % trainer.args.save_steps == 0
+        groups = self._first_done(len(rows) // self.group_size, None if not saves else step)
         if self.memory is not None:
             self.memory.phase = "update"
         generated = merged([g.inflight.wait() for g in groups])
@@ -268,15 +275,17 @@ class AgentRollouts:
                 raise ValueError(f"rows {i}-{i + self.group_size - 1} are not one task's group")
             self._pool.append(Group(group, for_step, self._submit([row["prompt"] for row in group], prefetched)))
 
-    def _first_done(self, wanted: int) -> list[Group]:
+    def _first_done(self, wanted: int, up_to: int | None = None) -> list[Group]:
         """The `wanted` groups of the pool that finished first, taken out of it in the pool's order (older
-        read-aheads first): waits until that many are done (a failed group is done; its error comes on `wait`)."""
-        if len(self._pool) < wanted:
-            raise RuntimeError(f"{len(self._pool)} groups in flight for a step of {wanted}: each step adds its own")
-        while sum(g.inflight.future.done() for g in self._pool) < wanted:
-            wait_for_futures([g.inflight.future for g in self._pool if not g.inflight.future.done()],
+        read-aheads first): waits until that many are done (a failed group is done; its error comes on `wait`).
+        `up_to`: only groups read ahead for that step or earlier (there are `wanted` of them)."""
+        pool = [g for g in self._pool if up_to is None or g.for_step <= up_to]
+        if len(pool) < wanted:
+            raise RuntimeError(f"{len(pool)} groups in flight for a step of {wanted}: each step adds its own")
+        while sum(g.inflight.future.done() for g in pool) < wanted:
+            wait_for_futures([g.inflight.future for g in pool if not g.inflight.future.done()],
                              return_when=FIRST_COMPLETED)  # fmt: skip
-        taken = [g for g in self._pool if g.inflight.future.done()][:wanted]
+        taken = [g for g in pool if g.inflight.future.done()][:wanted]
         self._pool = [g for g in self._pool if all(g is not t for t in taken)]
         return taken
 
