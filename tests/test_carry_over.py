@@ -4,8 +4,8 @@ group is taken whole, once; every token keeps the log-prob it was sampled with; 
 `max_staleness` is excluded (`stale`) and counted, never trained; TRL scores and logs the rows the step took.
 
 The pipeline runs on a micro model through AgentGRPOTrainer's own loop with the HF engine: 6 tasks, 2 a step, groups
-of 2, 2 epochs. The first group read ahead straggles: its rollouts send their second call only once step 2's weights
-are loaded, so steps 0 and 1 go on without it."""
+of 2, 2 epochs. The first group read ahead straggles: its rollouts send their second call only once a later step's
+weights are loaded, so the steps before it go on without it."""
 
 from __future__ import annotations
 
@@ -32,23 +32,24 @@ from inference.weights import GenerationWeights
 from tests.conftest import HalfReward, agent_trainer, micro_tiny
 from tests.test_partial_rollouts import TASKS, WAIT_S, until
 
-GROUP, TASKS_PER_STEP, STEPS, STRAGGLE_UNTIL = 2, 2, 6, 2
+GROUP, TASKS_PER_STEP, STEPS = 2, 2, 6
 
 
 @dataclass
 class StragglingAgent:
-    """Two calls a rollout; the rollouts of the task in `straggler` started before step STRAGGLE_UNTIL send their
-    second call only once that step's weights are loaded (waiting at most WAIT_S; `came` says whether they came)."""
+    """Two calls a rollout; the rollouts of the task in `straggler` started before step `until` send their second
+    call only once that step's weights are loaded (waiting at most WAIT_S; `came` says whether they came)."""
 
     server: PolicyServer
+    until: int
     straggler: list[str] = field(default_factory=list)
     came: list[bool] = field(default_factory=list)
 
     async def run(self, task: dict[str, Any], llm: OpenAIChat) -> Trajectory:
         messages = [{"role": "user", "content": task["question"]}]
         messages += [{"role": "assistant", "content": await llm.chat(messages)}, {"role": "user", "content": "Why?"}]
-        if task["id"] in self.straggler and self.server.ledger.weights_version < STRAGGLE_UNTIL:  # the first epoch
-            self.came.append(await until(lambda: self.server.ledger.weights_version >= STRAGGLE_UNTIL, WAIT_S))
+        if task["id"] in self.straggler and self.server.ledger.weights_version < self.until:  # the first epoch
+            self.came.append(await until(lambda: self.server.ledger.weights_version >= self.until, WAIT_S))
         messages.append({"role": "assistant", "content": await llm.chat(messages)})
         return Trajectory(messages=messages, answer=task["id"], turns=2)
 
@@ -97,15 +98,17 @@ class Take:
     batch: dict[str, Any]  # what TRL got
 
 
-@pytest.mark.parametrize("max_staleness", [2, 1])
+@pytest.mark.parametrize("straggle_until", [2, 3])
 def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
-    tmp_path: Path, max_staleness: int
+    tmp_path: Path, straggle_until: int
 ) -> None:
+    """max_staleness 2: straggling until step 2's weights it trains at step 2; until step 3's, it is excluded."""
+    max_staleness = 2
     spec = micro_tiny(tmp_path / "models")
     source = spec.prepare([t["question"] for t in TASKS] * 10 + ["Why?"] * 10)
     model, tokenizer = spec.load_model(source, "cpu"), spec.load_tokenizer(source)
     server = PolicyServer(model, tokenizer, max_prompt_tokens=128, max_response_tokens=32, engine=HFGenerate())
-    agent = StragglingAgent(server)
+    agent = StragglingAgent(server, straggle_until)
     rollouts = Watched(
         HalfReward(),
         server,
@@ -152,18 +155,18 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
     # TRL scored and logged the rows each step took, not the ones the Trainer read for it
     assert logged.steps == [take.generated.prompts for take in rollouts.takes]
 
-    # steps 0 and 1 did not wait for the straggler: it was taken by the step whose weights its second call waited
-    # for, carried over from step 0, its calls sampled by step 0's and step 2's weights
+    # the steps before straggle_until did not wait for the straggler: it was taken by the step whose weights its
+    # second call waited for, carried over from step 0, its calls sampled by step 0's weights and that step's
     take = next(take for take in rollouts.takes if straggler in take.tasks)
-    assert take.step == STRAGGLE_UNTIL and take.stats["rollout/carried_over"] == 1 / TASKS_PER_STEP
-    assert take.stats["rollout/staleness"] == STRAGGLE_UNTIL
-    assert sum(t.stats["rollout/taken_early"] for t in rollouts.takes[:STRAGGLE_UNTIL]) > 0  # later groups filled in
+    assert take.step == straggle_until and take.stats["rollout/carried_over"] == 1 / TASKS_PER_STEP
+    assert take.stats["rollout/staleness"] == straggle_until
+    assert sum(t.stats["rollout/taken_early"] for t in rollouts.takes[:straggle_until]) > 0  # later groups filled in
     first = take.tasks.index(straggler) * GROUP
     straggled = range(first, first + GROUP)
     for i in straggled:
-        assert [c.weights_version for c in take.generated.records[i]] == [0, STRAGGLE_UNTIL]
+        assert [c.weights_version for c in take.generated.records[i]] == [0, straggle_until]
     # within the bound the straggler trains as sampled; beyond it, it is excluded (stale) and counted, never trained
-    expected = None if max_staleness >= STRAGGLE_UNTIL else "stale"
+    expected = None if max_staleness >= straggle_until else "stale"
     assert [take.samples[i].excluded for i in straggled] == [expected] * GROUP
     assert take.stats["rollout/excluded_stale_rate"] == (0.0 if expected is None else 1 / TASKS_PER_STEP)
     for t in rollouts.takes:  # token-exact: what TRL trains is the sampled calls' tokens, with their log-probs
@@ -220,3 +223,23 @@ def test_a_step_that_saves_a_checkpoint_takes_no_group_read_ahead_for_a_later_st
         assert rollouts._first_done(1, up_to=1) == [own] and rollouts._pool == [ahead]  # waited for its own
     finally:
         finish.cancel()
+
+
+def test_a_saving_step_asks_only_for_groups_read_ahead_for_it_or_earlier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`take` passes its own step as the bound exactly at the steps that save a checkpoint (`save_steps`)."""
+    rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True)  # type: ignore[arg-type]
+    bounds: list[int | None] = []
+    done: Future[Generated] = Future()
+    done.set_result(Generated(["a"], [], [], 1.0, True))
+    monkeypatch.setattr(rollouts, "_load", lambda trainer: 0.0)
+    monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step: None)
+    monkeypatch.setattr(rollouts, "_add", lambda rows, for_step, prefetched: None)
+    monkeypatch.setattr(
+        rollouts,
+        "_first_done",
+        lambda wanted, up_to=None: bounds.append(up_to) or [Group([{"prompt": "a"}], 0, InFlight(["a"], done))],
+    )
+    for step in range(6):
+        trainer = SimpleNamespace(state=SimpleNamespace(global_step=step), args=SimpleNamespace(save_steps=3))
+        rollouts.take([{"prompt": "a"}], trainer)
+    assert bounds == [None, None, 2, None, None, 5]  # after steps 3 and 6 (global_step 2 and 5) a checkpoint
