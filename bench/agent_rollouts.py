@@ -31,8 +31,8 @@ not timed: the last step of a run has nothing generating behind it. Side by side
     for a in "" --async; do python bench/agent_rollouts.py --engine vllm --steps 4 $a --out r_vllm$a.json; done
 
 `--async --partial` adds `algorithm.partial_rollouts` (each step loads its weights while the batch read ahead still
-generates and starts the next batch before waiting for it); with `--override algorithm.carry_over=true
-algorithm.max_staleness=2` a step trains the groups finished first and carries the others over.
+generates and starts the next batch before waiting for it); `--carry-over` adds `algorithm.carry_over` (a step
+trains the groups finished first and carries the others over; with `--override algorithm.max_staleness=2`).
 
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             asynchronous=args.asynchronous,
             partial=args.partial,
             max_staleness=algo.max_staleness,  # as a training run: a rollout staler than that is excluded
-            carry_over=algo.carry_over,
+            carry_over=args.carry_over,
             group_size=algo.group_size,
         )
 
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             lookahead=args.asynchronous,
-            take_rows=rollouts.take if algo.carry_over else None,
+            take_rows=rollouts.take if args.carry_over else None,
         )
         # after GRPOTrainer, which sets the tokenizer's eos there; the policy server reads generation_config's
         model.generation_config.eos_token_id = NO_TOKEN
@@ -321,7 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine": type(engine).__name__,
             "asynchronous": args.asynchronous,
             "partial": args.partial,
-            "carry_over": algo.carry_over,
+            "carry_over": args.carry_over,
             "per_step": per_step,
             "step_s": timer.steps,
             "median_step_s": statistics.median(steps),
@@ -386,6 +386,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async", dest="asynchronous", action="store_true", help="algorithm.async_rollouts")
     parser.add_argument("--partial", action="store_true", help="algorithm.partial_rollouts (with --async)")
+    parser.add_argument("--carry-over", action="store_true", help="algorithm.carry_over (with --partial)")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, after the bench's own")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")
@@ -396,6 +397,8 @@ def main() -> None:
         return
     if args.partial and not args.asynchronous:
         parser.error("--partial: with --async (partial rollouts are asynchronous ones)")
+    if args.carry_over and not args.partial:
+        parser.error("--carry-over: with --partial (it takes the groups finished first from partial rollouts)")
 
     import peft
     import transformers

@@ -31,8 +31,8 @@ declare -A VARIANT=(
   [own]="--async --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
   [own-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
   [in-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3"
-  [own-carry]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true
-    algorithm.carry_over=true algorithm.max_staleness=2"
+  [own-carry]="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3
+    backend.vllm_own_process=true algorithm.max_staleness=2"
 )
 
 end_gpu_processes() {  # what a variant left on the GPU (a warm machine keeps it into the next call), up to 30 s

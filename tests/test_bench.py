@@ -56,16 +56,18 @@ def test_a_run_that_failed_before_any_step_is_only_its_failure(tmp_path: Path) -
 
 
 @pytest.mark.integration
-def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [["--async"], ["--async", "--partial", "--carry-over"]])
+def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Path, mode: list[str]) -> None:
     out = tmp_path / "r.json"
     command = [sys.executable, "bench/agent_rollouts.py", "--shape", "tiny", "--device", "cpu", "--engine", "hf"]
     command += ["--steps", "1", "--warmup", "0", "--tasks", "1", "--group", "2", "--turns", "1", "--micro-batch", "2"]
-    command += ["--response-budget", "256", "--async", "--out", str(out)]
+    command += ["--response-budget", "256", *mode, "--out", str(out), "--override", "algorithm.max_staleness=2"]
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(out.read_text())["result"]
     # every step the run trained: the timed one and, with --async, one more (nothing generates behind a last step)
     assert result["asynchronous"] is True and len(result["per_step"]) == len(result["step_s"]) == 2
+    assert result["carry_over"] is ("--carry-over" in mode)
     assert result["median_step_s"] == result["step_s"][0]
     assert result["per_step"][0]["generated_tokens"] > 0 and result["per_step"][0]["update_s"] > 0
 
