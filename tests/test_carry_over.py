@@ -24,6 +24,7 @@ from agent.llm import OpenAIChat
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
 from backends.samples import Sample, flatten
+from backends.trl.callbacks import CarryOverState, read_carry_state
 from backends.trl.rollouts import AgentRollouts, Generated, Group, InFlight
 from foundation.errors import ConfigError
 from inference.hf import HFGenerate
@@ -61,6 +62,7 @@ class Watched(AgentRollouts):
         super().__init__(agent, *args, **kwargs)
         self.takes: list[Take] = []
         self.added: list[tuple[str, int]] = []  # (task, the step it was read ahead for), in the order added
+        self.states: list[dict[str, list[Any]]] = []
 
     def _add(self, rows: list[dict[str, Any]], for_step: int, prefetched: bool) -> None:
         for i in range(0, len(rows), self.group_size):
@@ -74,6 +76,7 @@ class Watched(AgentRollouts):
         batch = super()._batch(generated, step, timings)
         tasks = [json.loads(p)["id"] for p in generated.prompts[:: self.group_size]]
         self.takes.append(Take(step, tasks, dict(self.last_stats), generated, self.last_samples, batch))
+        self.states.append(self.carry_state(step))  # what a checkpoint after this step would keep
         return batch
 
 
@@ -161,6 +164,11 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
     assert take.step == straggle_until and take.stats["rollout/carried_over"] == 1 / TASKS_PER_STEP
     assert take.stats["rollout/staleness"] == straggle_until
     assert sum(t.stats["rollout/taken_early"] for t in rollouts.takes[:straggle_until]) > 0  # later groups filled in
+    # a checkpoint after step 0 would keep the straggler's rows (carried) and the groups step 0 took early
+    carried, early = rollouts.states[0]["carried"], rollouts.states[0]["early"]
+    assert [json.loads(row["prompt"])["id"] for row in carried] == [straggler] * GROUP
+    assert len(early) == rollouts.takes[0].stats["rollout/taken_early"] * TASKS_PER_STEP > 0
+    assert all(json.loads(prompt)["id"] in rollouts.takes[0].tasks for prompt in early)
     first = take.tasks.index(straggler) * GROUP
     straggled = range(first, first + GROUP)
     for i in straggled:
@@ -243,3 +251,47 @@ def test_a_saving_step_asks_only_for_groups_read_ahead_for_it_or_earlier(monkeyp
         trainer = SimpleNamespace(state=SimpleNamespace(global_step=step), args=SimpleNamespace(save_steps=3))
         rollouts.take([{"prompt": "a"}], trainer)
     assert bounds == [None, None, 2, None, None, 5]  # after steps 3 and 6 (global_step 2 and 5) a checkpoint
+
+
+def test_a_resumed_run_trains_the_groups_carried_at_the_stop_and_not_those_trained_early(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The checkpoint after step 2 kept task c's group carried and task b's trained early; the resumed run's first
+    step (3) reads a and b: its pool is c's group first, then a's, and b's is not generated again."""
+    rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
+    added: list[list[str]] = []
+
+    def submit(prompts: list[Any], prefetched: bool) -> InFlight:
+        added.append(prompts)
+        done: Future[Generated] = Future()
+        done.set_result(Generated(prompts, [], [], 1.0, prefetched))
+        return InFlight(prompts, done)
+
+    monkeypatch.setattr(rollouts, "_load", lambda trainer: 0.0)
+    monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step: None)
+    monkeypatch.setattr(rollouts, "_submit", submit)
+    saved = CarryOverState(rollouts)
+    rollouts._pool = [Group([{"prompt": "c"}] * 2, 2, InFlight(["c"] * 2, Future()))]
+    rollouts._early = ["b"]
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=3)
+    saved.on_save(args, state, None)  # after step 2 (0-based): checkpoint-3
+    kept = read_carry_state(str(tmp_path / "checkpoint-3"))
+    assert kept == {"carried": [{"prompt": "c"}] * 2, "early": ["b"]}
+    assert read_carry_state(str(tmp_path)) is None  # a checkpoint of a run without carry-over
+
+    resumed = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
+    monkeypatch.setattr(resumed, "_load", lambda trainer: 0.0)
+    monkeypatch.setattr(resumed, "_upcoming_rows", lambda trainer, step: None)
+    monkeypatch.setattr(resumed, "_submit", submit)
+    resumed.resume(kept)
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), args=SimpleNamespace(save_steps=100))
+    rows = resumed.take([{"prompt": "a"}, {"prompt": "a"}, {"prompt": "b"}, {"prompt": "b"}], trainer)
+    assert added == [["c", "c"], ["a", "a"]]  # b's group is not generated again
+    assert rows == [{"prompt": "c"}] * 2 + [{"prompt": "a"}] * 2
+    assert resumed._taken is not None and resumed._taken.timings["rollout/carried_over"] == 0.5
+
+    again = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
+    monkeypatch.setattr(again, "_load", lambda trainer: 0.0)
+    again.resume({"carried": [], "early": ["z"]})
+    with pytest.raises(RuntimeError, match="trained early are not among"):
+        again.take([{"prompt": "a"}, {"prompt": "a"}], trainer)

@@ -25,7 +25,7 @@ from backends.algorithm import GRPO, RFT, SFTControl
 from backends.disk import DiskFull, check_before_save
 from backends.progress import show_progress
 from backends.sft import supervised
-from backends.trl.callbacks import ControlLog, StepLog, StopAtStepEnd, per_rank
+from backends.trl.callbacks import CarryOverState, ControlLog, StepLog, StopAtStepEnd, per_rank, read_carry_state
 from backends.trl.clock import Clock
 from backends.trl.context import RunContext
 from backends.trl.rollouts import AgentRollouts, task_prompt
@@ -142,6 +142,10 @@ class GRPOArm:
             budget_spent=clock.spent,  # a resumed run spent before its restart trains no step
             take_rows=rollouts.take if algo.carry_over else None,
         )
+        if algo.carry_over:
+            trainer.add_callback(CarryOverState(rollouts))
+            if ctx.resume_from is not None and (state := read_carry_state(ctx.resume_from)) is not None:
+                rollouts.resume(state)
         step_log = StepLog(run, clock, rollouts, ctx.validation.during(trainer), trainer)
         trainer.add_callback(step_log)
         trainer.add_callback(StopAtStepEnd())

@@ -92,6 +92,20 @@ class Taken:
     upcoming: bool  # groups were read ahead for the next step
 
 
+def without_groups(rows: list[dict[str, Any]], prompts: list[Any], group_size: int) -> list[dict[str, Any]]:
+    """`rows` (whole groups) less one group for each of `prompts`."""
+    left, kept = list(prompts), []
+    for i in range(0, len(rows), group_size):
+        group = rows[i : i + group_size]
+        if group[0]["prompt"] in left:
+            left.remove(group[0]["prompt"])
+        else:
+            kept += group
+    if left:
+        raise RuntimeError(f"carry-over: {len(left)} groups trained early are not among the resumed step's rows")
+    return kept
+
+
 def merged(generated: list[Generated]) -> Generated:
     """Groups generated apart as one batch, in their order: its wall time the longest group's, its start the oldest
     group's weights."""
@@ -188,6 +202,8 @@ class AgentRollouts:
         self._read_ahead_for: int | None = None  # carry-over: the step whose rows are in the pool already
         self._read_ahead: list[Any] = []  # carry-over: their prompts
         self._taken: Taken | None = None
+        self._early: list[Any] = []  # carry-over: the last take's groups read ahead for the next step (one prompt each)
+        self._resumed: dict[str, list[Any]] | None = None  # carry-over: `carry_state` of the checkpoint resumed from
         self.dropped = 0  # carry-over: groups read ahead that no step of this run took (a resumed run makes them anew)
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -231,7 +247,9 @@ class AgentRollouts:
             self.memory.phase = "rollout"
         weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
         if self._read_ahead_for != step:  # nothing read ahead for this step: the first, or after a resume
-            self._add(rows, step, prefetched=False)
+            resumed, self._resumed = self._resumed or {"carried": [], "early": []}, None
+            self._add(resumed["carried"], step - 1, prefetched=False)  # carried over at the stop: first in the pool
+            self._add(without_groups(rows, resumed["early"], self.group_size), step, prefetched=False)
         elif [r["prompt"] for r in rows] != self._read_ahead:
             raise RuntimeError(f"carry-over: step {step}'s rows are not the ones read ahead for it")
         upcoming = self._upcoming_rows(trainer, step)
@@ -243,6 +261,7 @@ class AgentRollouts:
         # holds only the next step's, which a run resumed from the checkpoint generates anew (nothing twice or lost)
         saves = (step + 1) % trainer.args.save_steps == 0
         groups = self._first_done(len(rows) // self.group_size, None if not saves else step)
+        self._early = [g.rows[0]["prompt"] for g in groups if g.for_step > step]
         if self.memory is not None:
             self.memory.phase = "update"
         generated = merged([g.inflight.wait() for g in groups])
@@ -261,6 +280,18 @@ class AgentRollouts:
             upcoming is not None,
         )
         return [dict(row) for g in groups for row in g.rows]
+
+    def carry_state(self, step: int) -> dict[str, list[Any]]:
+        """Carry-over's part of the checkpoint after optimizer step `step` (0-based): the rows of the groups carried
+        over (read ahead for it or earlier, not yet trained), and the prompts of the groups trained early (read
+        ahead for the next step). A run resumed from it (`resume`) trains the former and not the latter again."""
+        carried = [row for g in self._pool if g.for_step <= step for row in g.rows]
+        return {"carried": carried, "early": list(self._early)}
+
+    def resume(self, state: dict[str, list[Any]]) -> None:
+        """Resuming from a checkpoint with `carry_state` `state`: its first step's pool is the groups carried then
+        and its own rows less those trained early."""
+        self._resumed = state
 
     def _upcoming_rows(self, trainer: Any, step: int) -> list[dict[str, Any]] | None:
         """The next step's rows where they are read ahead (`_upcoming`'s rule)."""
