@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 from transformers import TrainerCallback
+from trl import GRPOTrainer
 
 from agent.llm import OpenAIChat
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO
 from backends.samples import Sample, flatten
-from backends.trl.callbacks import CarryOverState, read_carry_state
 from backends.trl.rollouts import AgentRollouts, Generated, Group, InFlight
+from backends.trl.trainer import AgentGRPOTrainer, read_carry_state, write_carry_state
 from foundation.errors import ConfigError
 from inference.hf import HFGenerate
 from inference.policy_server import PolicyServer
@@ -254,12 +255,19 @@ def test_a_saving_step_asks_only_for_groups_read_ahead_for_it_or_earlier(monkeyp
 
 
 def test_a_resumed_run_trains_the_groups_carried_at_the_stop_and_not_those_trained_early(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The checkpoint after step 2 kept task c's group carried and task b's trained early; the resumed run's first
-    step (3) reads a and b: its pool is c's group first, then a's, and b's is not generated again."""
-    rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
+    """The checkpoint after step 2 keeps task c's group carried (read ahead for step 2, not trained) and task b's
+    trained early, not d's (read ahead for step 3, generating); the resumed run's first step (3) reads a and b: its
+    pool is c's group first, then a's, and neither b's nor d's is generated twice."""
     added: list[list[str]] = []
+
+    def carrying(**kwargs: Any) -> AgentRollouts:
+        rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.setattr(rollouts, "_load", lambda trainer: 0.0)
+        monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step: None)
+        monkeypatch.setattr(rollouts, "_submit", submit)
+        return rollouts
 
     def submit(prompts: list[Any], prefetched: bool) -> InFlight:
         added.append(prompts)
@@ -267,22 +275,18 @@ def test_a_resumed_run_trains_the_groups_carried_at_the_stop_and_not_those_train
         done.set_result(Generated(prompts, [], [], 1.0, prefetched))
         return InFlight(prompts, done)
 
-    monkeypatch.setattr(rollouts, "_load", lambda trainer: 0.0)
-    monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step: None)
-    monkeypatch.setattr(rollouts, "_submit", submit)
-    saved = CarryOverState(rollouts)
-    rollouts._pool = [Group([{"prompt": "c"}] * 2, 2, InFlight(["c"] * 2, Future()))]
-    rollouts._early = ["b"]
-    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=3)
-    saved.on_save(args, state, None)  # after step 2 (0-based): checkpoint-3
+    stopped = carrying(group_size=2)
+    stopped._pool = [
+        Group([{"prompt": "c"}] * 2, 2, InFlight(["c"] * 2, Future())),
+        Group([{"prompt": "d"}] * 2, 3, InFlight(["d"] * 2, Future())),
+    ]
+    stopped._early = ["b"]
+    write_carry_state(tmp_path / "checkpoint-3", stopped.carry_state(2))  # after step 2 (0-based): checkpoint-3
     kept = read_carry_state(str(tmp_path / "checkpoint-3"))
     assert kept == {"carried": [{"prompt": "c"}] * 2, "early": ["b"]}
     assert read_carry_state(str(tmp_path)) is None  # a checkpoint of a run without carry-over
 
-    resumed = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
-    monkeypatch.setattr(resumed, "_load", lambda trainer: 0.0)
-    monkeypatch.setattr(resumed, "_upcoming_rows", lambda trainer, step: None)
-    monkeypatch.setattr(resumed, "_submit", submit)
+    resumed = carrying(group_size=2)
     resumed.resume(kept)
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), args=SimpleNamespace(save_steps=100))
     rows = resumed.take([{"prompt": "a"}, {"prompt": "a"}, {"prompt": "b"}, {"prompt": "b"}], trainer)
@@ -290,8 +294,31 @@ def test_a_resumed_run_trains_the_groups_carried_at_the_stop_and_not_those_train
     assert rows == [{"prompt": "c"}] * 2 + [{"prompt": "a"}] * 2
     assert resumed._taken is not None and resumed._taken.timings["rollout/carried_over"] == 0.5
 
-    again = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, group_size=2)  # type: ignore[arg-type]
-    monkeypatch.setattr(again, "_load", lambda trainer: 0.0)
-    again.resume({"carried": [], "early": ["z"]})
-    with pytest.raises(RuntimeError, match="trained early are not among"):
-        again.take([{"prompt": "a"}, {"prompt": "a"}], trainer)
+    other = carrying(group_size=2)  # the data's order after the resume differs: said, the step goes on
+    other.resume({"carried": [], "early": ["z"]})
+    assert other.take([{"prompt": "a"}, {"prompt": "a"}], trainer) == [{"prompt": "a"}] * 2
+    assert "1 groups trained early before the resume are not among" in caplog.text
+
+    monkeypatch.setattr("backends.trl.trainer.world_size", lambda: 2)  # resumed on another number of ranks
+    assert read_carry_state(str(tmp_path / "checkpoint-3")) is None and "another number of ranks" in caplog.text
+
+
+def test_a_checkpoint_has_its_carry_over_state_before_it_is_complete(tmp_path: Path) -> None:
+    """`_save_checkpoint` writes it before the Trainer's files (a checkpoint is complete once those are)."""
+    order: list[str] = []
+    folder = tmp_path / "checkpoint-4"
+
+    class Saving(AgentGRPOTrainer):
+        def __init__(self) -> None:  # only what _save_checkpoint reads
+            self.args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+            self.state = SimpleNamespace(global_step=4)
+            self.checkpoint_bytes = None
+            self.carry_state = lambda step: order.append(f"state after step {step}") or {"carried": [], "early": []}
+
+    def trainer_files(self: Any, model: Any, trial: Any) -> None:
+        order.append(f"trainer files, carry state written: {(folder / 'carry_over.rank0.json').is_file()}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GRPOTrainer, "_save_checkpoint", trainer_files)
+        Saving()._save_checkpoint(None, None)
+    assert order == ["state after step 3", "trainer files, carry state written: True"]

@@ -25,11 +25,11 @@ from backends.algorithm import GRPO, RFT, SFTControl
 from backends.disk import DiskFull, check_before_save
 from backends.progress import show_progress
 from backends.sft import supervised
-from backends.trl.callbacks import CarryOverState, ControlLog, StepLog, StopAtStepEnd, per_rank, read_carry_state
+from backends.trl.callbacks import ControlLog, StepLog, StopAtStepEnd, per_rank
 from backends.trl.clock import Clock
 from backends.trl.context import RunContext
 from backends.trl.rollouts import AgentRollouts, task_prompt
-from backends.trl.trainer import AgentGRPOTrainer
+from backends.trl.trainer import AgentGRPOTrainer, read_carry_state
 from foundation.interrupt import Interrupted, checkpoint_at_step_end, stop_requested
 from foundation.ranks import is_main, started_by_launcher
 from foundation.run_dir import last_complete_checkpoint
@@ -141,11 +141,10 @@ class GRPOArm:
             checkpoint_bytes=None if setup.disk_plan is None else setup.disk_plan["checkpoint_bytes_per_rank"],
             budget_spent=clock.spent,  # a resumed run spent before its restart trains no step
             take_rows=rollouts.take if algo.carry_over else None,
+            carry_state=rollouts.carry_state if algo.carry_over else None,
         )
-        if algo.carry_over:
-            trainer.add_callback(CarryOverState(rollouts))
-            if ctx.resume_from is not None and (state := read_carry_state(ctx.resume_from)) is not None:
-                rollouts.resume(state)
+        if algo.carry_over and ctx.resume_from is not None and (state := read_carry_state(ctx.resume_from)):
+            rollouts.resume(state)  # the groups in flight at the checkpoint
         step_log = StepLog(run, clock, rollouts, ctx.validation.during(trainer), trainer)
         trainer.add_callback(step_log)
         trainer.add_callback(StopAtStepEnd())

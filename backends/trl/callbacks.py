@@ -7,11 +7,9 @@ by one rank only hangs the run).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from accelerate.utils import gather_object
@@ -22,10 +20,9 @@ from backends.trl.clock import Clock
 from backends.trl.rollouts import AgentRollouts, on_any_rank
 from backends.trl.trainer import AgentGRPOTrainer
 from foundation.interrupt import stop_requested
-from foundation.ranks import is_main, rank, world_size
+from foundation.ranks import is_main, world_size
 from foundation.run_dir import RunDir
 
-CARRY_STATE = "carry_over.rank{rank}.json"  # a checkpoint's carry-over state, per rank (CarryOverState)
 # TRL log keys that are not per-step training metrics (end-of-training totals).
 _NOT_STEP_METRICS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "epoch"}
 
@@ -35,27 +32,6 @@ Validate = Callable[[PreTrainedModel, str], dict[str, float]]  # (model, name) -
 def per_rank(value: Any) -> list[Any]:
     """Every rank's `value`, in rank order (a collective with several ranks)."""
     return gather_object([value]) if world_size() > 1 else [value]
-
-
-class CarryOverState(TrainerCallback):
-    """algorithm.carry_over: each checkpoint keeps this rank's groups carried over and trained early
-    (`AgentRollouts.carry_state`), which a run resumed from it reads (`read_carry_state`): nothing trains twice, and
-    no group carried at a stop is lost."""
-
-    def __init__(self, rollouts: AgentRollouts) -> None:
-        self.rollouts = rollouts
-
-    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        folder.mkdir(parents=True, exist_ok=True)
-        carry = self.rollouts.carry_state(state.global_step - 1)  # after the step just trained (0-based)
-        (folder / CARRY_STATE.format(rank=rank())).write_text(json.dumps(carry))
-
-
-def read_carry_state(checkpoint: str) -> dict[str, list[Any]] | None:
-    """This rank's carry-over state in `checkpoint` (None: a checkpoint of a run without carry-over)."""
-    path = Path(checkpoint) / CARRY_STATE.format(rank=rank())
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class StopAtStepEnd(TrainerCallback):

@@ -37,6 +37,8 @@ its advantages) and `update` (forward, backward and optimizer over the step's mi
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 import time
 from collections import defaultdict
@@ -51,7 +53,12 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
 from backends.disk import DiskFull, check_before_save
 from backends.trl.fsdp import shard_on_cpu
+from foundation.ranks import rank, world_size
 from foundation.run_dir import last_complete_checkpoint
+
+log = logging.getLogger(__name__)
+
+CARRY_STATE = "carry_over.rank{rank}.json"  # a checkpoint's carry-over state, per rank (`write_carry_state`)
 
 
 @dataclass
@@ -153,6 +160,25 @@ def drop_nonfinite_gradients(model: torch.nn.Module, grad_norm: float | torch.Te
     return True
 
 
+def write_carry_state(folder: Path, state: dict[str, list[Any]]) -> None:
+    """This rank's carry-over state (`AgentRollouts.carry_state`) into the checkpoint `folder`, with the ranks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CARRY_STATE.format(rank=rank())).write_text(json.dumps({"ranks": world_size(), **state}))
+
+
+def read_carry_state(checkpoint: str) -> dict[str, list[Any]] | None:
+    """This rank's carry-over state in `checkpoint`; None for a checkpoint of a run without carry-over, or of one
+    with another number of ranks (said: its groups in flight are then generated anew or lost)."""
+    path = Path(checkpoint) / CARRY_STATE.format(rank=rank())
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    if state.pop("ranks") != world_size():
+        log.warning("carry-over: %s was saved by another number of ranks; its groups in flight are not resumed", path)
+        return None
+    return state
+
+
 class AgentGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + importance-sampling correction with the rollout function's log-probs (`is_correction` /
     `is_cap`: `algorithm.is_correction`, `algorithm.is_cap`; "none" leaves TRL's computation as it is)."""
@@ -167,6 +193,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         checkpoint_bytes: int | None = None,
         budget_spent: Callable[[], bool] = lambda: False,
         take_rows: Callable[[list[dict[str, Any]], Any], list[dict[str, Any]]] | None = None,
+        carry_state: Callable[[int], dict[str, list[Any]]] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -176,6 +203,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         # algorithm.carry_over: the rows a training step trains, chosen before TRL generates for them
         # (`AgentRollouts.take`); None: the rows the Trainer read for it
         self.take_rows = take_rows
+        # algorithm.carry_over: this rank's groups in flight that each checkpoint keeps (`AgentRollouts.carry_state`)
+        self.carry_state = carry_state
         one_generation_a_step = self.args.steps_per_generation == self.args.gradient_accumulation_steps
         if self.num_iterations != 1 or not one_generation_a_step:  # the loss's forward scores, batches by length
             raise ValueError("one generation per optimizer step, trained once (num_iterations 1, "
@@ -203,6 +232,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         if self.checkpoint_bytes is not None:
             check_before_save(folder, self.checkpoint_bytes, previous and Path(previous).name)
         try:
+            if self.carry_state is not None:  # before the Trainer's files: a checkpoint complete has it
+                write_carry_state(folder, self.carry_state(self.state.global_step - 1))
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError) as exc:
             if self.args.should_save:  # the process that writes the Trainer's files removes the partial ones
