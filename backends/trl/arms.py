@@ -177,7 +177,7 @@ class GRPOArm:
             "partial_rollouts": ctx.algo.partial_rollouts,
             "prefetch_missed": rollouts.missed,  # async: batches read ahead that no step asked for
             "carry_over": ctx.algo.carry_over,
-            "groups_dropped": rollouts.dropped,  # carry-over: groups read ahead that no step took, never trained
+            "groups_dropped": rollouts.dropped,  # carry-over: groups read ahead that no step of this start took
             "discarded_in_flight": discarded,
             "wall_s": wall_s,
             "train_s": step_log.clock.train_s,
