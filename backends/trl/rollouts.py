@@ -89,7 +89,6 @@ class Taken:
 
     generated: Generated
     timings: dict[str, float]
-    upcoming: bool  # groups were read ahead for the next step
 
 
 def without_groups(rows: list[dict[str, Any]], prompts: list[Any], group_size: int) -> list[dict[str, Any]]:
@@ -199,8 +198,7 @@ class AgentRollouts:
         self.carry_over = carry_over
         self.group_size = group_size  # rollouts per task: a group is taken whole or not at all
         self._pool: list[Group] = []  # carry-over: the groups in flight or done and not yet taken, oldest first
-        self._read_ahead_for: int | None = None  # carry-over: the step whose rows are in the pool already
-        self._read_ahead: list[Any] = []  # carry-over: their prompts
+        self._read_ahead: tuple[int, list[Any]] | None = None  # carry-over: the step read ahead for, its prompts
         self._taken: Taken | None = None
         self._early: list[Any] = []  # carry-over: the last take's groups read ahead for the next step (one prompt each)
         self._resumed: dict[str, list[Any]] | None = None  # carry-over: `carry_state` of the checkpoint resumed from
@@ -246,16 +244,15 @@ class AgentRollouts:
             self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
         weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
-        if self._read_ahead_for != step:  # nothing read ahead for this step: the first, or after a resume
+        if self._read_ahead is None or self._read_ahead[0] != step:  # nothing read ahead: the first, or a resume
             resumed, self._resumed = self._resumed or {"carried": [], "early": []}, None
             self._add(resumed["carried"], step - 1, prefetched=False)  # carried over at the stop: first in the pool
             self._add(without_groups(rows, resumed["early"], self.group_size), step, prefetched=False)
-        elif [r["prompt"] for r in rows] != self._read_ahead:
+        elif [r["prompt"] for r in rows] != self._read_ahead[1]:
             raise RuntimeError(f"carry-over: step {step}'s rows are not the ones read ahead for it")
         upcoming = self._upcoming_rows(trainer, step)
-        self._read_ahead_for = None if upcoming is None else step + 1
+        self._read_ahead = None if upcoming is None else (step + 1, [r["prompt"] for r in upcoming])
         if upcoming is not None:
-            self._read_ahead = [r["prompt"] for r in upcoming]
             self._add(upcoming, step + 1, prefetched=True)
         # a step that saves a checkpoint trains this step's groups and those carried, none read ahead: the pool then
         # holds only the next step's, which a run resumed from the checkpoint generates anew (nothing twice or lost)
@@ -277,7 +274,6 @@ class AgentRollouts:
                 "rollout/taken_early": sum(g.for_step > step for g in groups) / n,  # read ahead for later steps
                 "rollout/groups_in_flight": float(len(self._pool)),  # after the take: what carries over
             },
-            upcoming is not None,
         )
         return [dict(row) for g in groups for row in g.rows]
 
@@ -294,7 +290,8 @@ class AgentRollouts:
         self._resumed = state
 
     def _upcoming_rows(self, trainer: Any, step: int) -> list[dict[str, Any]] | None:
-        """The next step's rows where they are read ahead (`_upcoming`'s rule)."""
+        """The next step's rows where they are read ahead; None in the last step and once a stop signal came
+        (alike on every rank: the step count, the data, and the signal gathered)."""
         last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
         return None if last else trainer.upcoming_rows()
 
@@ -325,7 +322,7 @@ class AgentRollouts:
         taken, self._taken = self._taken, None
         if taken is None or taken.generated.prompts != prompts:
             raise RuntimeError("carry-over: the rollout function was asked for other prompts than the step took")
-        if not taken.upcoming and not self._pool:
+        if not self._pool:
             self.server.engine.sleep()  # nothing to generate during this update
         return self._batch(taken.generated, trainer.state.global_step, taken.timings)
 
@@ -383,10 +380,9 @@ class AgentRollouts:
         )
 
     def _upcoming(self, trainer: Any, step: int) -> list[Any] | None:
-        """The next step's prompts where they are read ahead; None in the last step and once a stop signal came
-        (alike on every rank: the step count, the data, and the signal gathered)."""
-        last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
-        return None if last else trainer.upcoming_prompts()
+        """The next step's prompts where they are read ahead (`_upcoming_rows`)."""
+        rows = self._upcoming_rows(trainer, step)
+        return None if rows is None else [row["prompt"] for row in rows]
 
     def _load(self, trainer: Any) -> float:
         """The trainer's weights as they are now into the engine (a collective when sharded), stamped with its

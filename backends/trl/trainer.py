@@ -198,7 +198,7 @@ class AgentGRPOTrainer(GRPOTrainer):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.checkpoint_bytes = checkpoint_bytes  # what one rank writes a checkpoint (backends/disk.py's plan)
-        self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_prompts`)
+        self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_rows`)
         self.budget_spent = budget_spent  # the run's time, FLOPs or GPU-seconds budget (a collective)
         # algorithm.carry_over: the rows a training step trains, chosen before TRL generates for them
         # (`AgentRollouts.take`); None: the rows the Trainer read for it
@@ -293,11 +293,6 @@ class AgentGRPOTrainer(GRPOTrainer):
         """The dataset rows the next optimizer step generates for (this rank's share), None where not read ahead (the
         last step; without `lookahead`). One generation a step: its first micro-batch holds them all."""
         return None if self._next_batches is None else list(self._next_batches[1][0])
-
-    def upcoming_prompts(self) -> list[Any] | None:
-        """The prompts of `upcoming_rows`."""
-        rows = self.upcoming_rows()
-        return None if rows is None else [example["prompt"] for example in rows]
 
     def _clip_grad_norm(self, model: Any) -> Any:
         grad_norm = super()._clip_grad_norm(model)
