@@ -1,8 +1,8 @@
 """DB-bench on a real MariaDB server (`data.engine=mysql`): a server of the tests' own, started here.
 
 The session fixture installs Debian's mariadb-server where it is missing (skipping only when it cannot be installed),
-starts a private `mariadbd` (its own data directory, unix socket and loopback port), and stops it at the end. Every
-wait is bounded and says what it waited for. Rollouts run the DB-bench agent with scripted replies.
+starts a private `mariadbd` (its own data and temporary directories, unix socket and loopback port), and stops it at
+the end. Every wait is bounded and says what it waited for. Rollouts run the DB-bench agent with scripted replies.
 """
 
 from __future__ import annotations
@@ -77,9 +77,11 @@ def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MySQLServer]:
         pytest.skip(reason)
     mariadbd = shutil.which("mariadbd", path=os.environ.get("PATH", "") + ":/usr/sbin")
     root = tmp_path_factory.mktemp("mariadb")
-    data, sock, log = root / "data", root / "mysqld.sock", root / "mariadb.err"
+    data, sock, log, tmp = root / "data", root / "mysqld.sock", root / "mariadb.err", root / "tmp"
+    tmp.mkdir()  # its own temporary tables, not in the /tmp every other process on the machine shares
     user = getpass.getuser()
-    install_db = ["mariadb-install-db", "--no-defaults", f"--datadir={data}", f"--user={user}", "--skip-test-db"]
+    install_db = ["mariadb-install-db", "--no-defaults", f"--datadir={data}", f"--tmpdir={tmp}", f"--user={user}"]
+    install_db += ["--skip-test-db"]
     install = subprocess.run(
         [*install_db, "--auth-root-authentication-method=normal"],
         stdin=subprocess.DEVNULL,
@@ -89,7 +91,14 @@ def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MySQLServer]:
     )
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
     port = closed_port()
-    options = [f"--datadir={data}", f"--socket={sock}", f"--port={port}", "--bind-address=127.0.0.1", f"--user={user}"]
+    options = [
+        f"--datadir={data}",
+        f"--tmpdir={tmp}",
+        f"--socket={sock}",
+        f"--port={port}",
+        "--bind-address=127.0.0.1",
+        f"--user={user}",
+    ]
     options += [f"--pid-file={root / 'mariadbd.pid'}", f"--log-error={log}", "--skip-log-bin", "--skip-name-resolve"]
     options += ["--innodb-buffer-pool-size=32M", "--max-connections=300"]
     server = subprocess.Popen(

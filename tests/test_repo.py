@@ -1,8 +1,11 @@
-"""The README's two commands are the set-up; CI runs the second one."""
+"""The README's two commands are the set-up; CI runs the second one, on xdist workers that keep a group together."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 from tests.conftest import ROOT
 
@@ -23,3 +26,41 @@ def test_readme_opens_with_run_then_test() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert readme_commands()[1] in ci.splitlines()
+
+
+def test_the_pinned_pytest_and_xdist_keep_a_group_on_one_worker(tmp_path: Path) -> None:
+    """`make test` runs `--dist loadgroup`: the tests of an `xdist_group` (one MariaDB server, one SLURM cluster) must
+    run on one worker. pytest 9.2 silently drops xdist's group suffix (pytest-xdist#1386), spreading a group's tests
+    over the workers, where two MariaDB servers then installed side by side and failed a CI run."""
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import pytest\n\npytestmark = pytest.mark.xdist_group('together')\n\n"
+            + "".join(f"def test_{i}():\n    pass\n\n" for i in range(4))
+        )
+    (tmp_path / "test_free.py").write_text("".join(f"def test_{i}():\n    pass\n\n" for i in range(4)))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "3",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    ran = re.findall(r"^\[(gw\d+)\] .*?(PASSED) (\S+)", done.stdout, re.MULTILINE)
+    assert len(ran) == 12, done.stdout[-2000:]
+    grouped = {worker for worker, _, test in ran if "test_free" not in test}
+    assert len(grouped) == 1, f"the group's 8 tests ran on {sorted(grouped)}:\n{done.stdout[-2000:]}"
