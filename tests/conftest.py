@@ -104,10 +104,12 @@ def agent_trainer(
     lookahead: bool,
     callbacks: list[Any] | None = None,
     take_rows: Callable[..., list[dict[str, Any]]] | None = None,
+    save_every: int = 100,
+    epochs: int = 2,
 ) -> Any:
-    """The GRPO trainer the rollout tests train through: two epochs over `tasks` on CPU, micro-batches of 2, the
+    """The GRPO trainer the rollout tests train through: `epochs` over `tasks` on CPU, micro-batches of 2, the
     rollouts' rewards as they come ("half"), token-truncated IS correction; `lookahead` for asynchronous rollouts,
-    `take_rows` for carry-over."""
+    `take_rows` for carry-over, a checkpoint every `save_every` steps (each kept)."""
     from datasets import Dataset
 
     from backends.algorithm import GRPO
@@ -116,7 +118,8 @@ def agent_trainer(
     from backends.trl.rollouts import task_prompt
     from backends.trl.trainer import AgentGRPOTrainer
 
-    algo = GRPO(group_size=group, tasks_per_step=tasks_per_step, micro_batch_size=2, epochs=2, save_every=100)
+    algo = GRPO(group_size=group, tasks_per_step=tasks_per_step, micro_batch_size=2, epochs=epochs,
+                save_every=save_every, keep_checkpoints=10)  # fmt: skip
     return AgentGRPOTrainer(
         model=model,
         reward_funcs=[passthrough_reward("half")],

@@ -1,5 +1,6 @@
 """Asynchronous rollouts (`algorithm.async_rollouts`): the next step's batch generates while this step updates, one
-step off-policy; each step trains on exactly the prompts TRL gave it, and says which weights sampled them.
+step off-policy; each step trains on exactly the prompts TRL gave it, and says which weights sampled them. A run
+resumed in a later epoch, read ahead or not, reads that epoch's order (`EpochSampler`).
 
 On a micro model through AgentGRPOTrainer's own training loop: 6 tasks, 2 a step in 2 micro-batches, 2 epochs (6
 steps, 3 an epoch)."""
@@ -10,14 +11,19 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from accelerate.data_loader import prepare_data_loader, skip_first_batches
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback
+from trl.trainer.utils import RepeatSampler
 
 from agent.llm import OpenAIChat
 from agent.trajectory import Trajectory
 from backends.trl.rollouts import AgentRollouts
+from backends.trl.trainer import AgentGRPOTrainer, EpochSampler
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
 from tests.conftest import FAST_RUN, HalfReward, agent_trainer, launch, micro_tiny
@@ -54,20 +60,27 @@ class StepRecord(TrainerCallback):
         self.agent, self.rollouts = agent, rollouts
         self.steps: list[dict[str, float]] = []
         self.started_during_update: dict[int, bool] = {}
+        self.first_step = 0  # the step this start began at (a resumed run's is its checkpoint's)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        self.first_step = state.global_step
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.rollouts._inflight is None:
             return
         step = state.global_step + 1  # the step under way
         with self.agent.lock:
-            began = self.agent.lock.wait_for(lambda: len(self.agent.started) > step * BATCH, WAIT_S)
+            began = self.agent.lock.wait_for(lambda: len(self.agent.started) > (step - self.first_step) * BATCH, WAIT_S)
         self.started_during_update[step] = began
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         self.steps.append(dict(self.rollouts.last_stats))
 
 
-def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts, list[list[str]], RecordingAgent]:
+def train(
+    tmp_path: Path, asynchronous: bool, save_every: int = 100, resume: str | None = None, epochs: int = 2
+) -> tuple[StepRecord, AgentRollouts, list[list[str]], RecordingAgent]:
+    """`epochs` of 3 steps (6 tasks, 2 a step); the prompts TRL asked the rollouts for at each step (`asked`)."""
     spec = micro_tiny(tmp_path / "models")
     source = spec.prepare([t["question"] for t in TASKS] * 10)
     model, tokenizer = spec.load_model(source, "cpu"), spec.load_tokenizer(source)
@@ -85,10 +98,11 @@ def train(tmp_path: Path, asynchronous: bool) -> tuple[StepRecord, AgentRollouts
 
     record = StepRecord(agent, rollouts)
     trainer = agent_trainer(
-        model, tokenizer, TASKS, rollout_func, tmp_path / "out", GROUP, TASKS_PER_STEP, asynchronous, [record]
-    )
-    trainer.train()
-    assert trainer.state.global_step == 6
+        model, tokenizer, TASKS, rollout_func, tmp_path / "out", GROUP, TASKS_PER_STEP, asynchronous, [record],
+        save_every=save_every, epochs=epochs,
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume and str(tmp_path / "out" / resume))
+    assert trainer.state.global_step == 3 * epochs
     return record, rollouts, asked, agent
 
 
@@ -117,6 +131,52 @@ def test_the_next_batch_generates_during_the_update_one_step_off_policy(tmp_path
     assert asked == asked_on_policy
     assert [s.get("rollout/staleness") for s in on_policy.steps] == [None] * 6
     assert on_policy.started_during_update == {}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_run_resumed_in_its_second_epoch_reads_each_later_epochs_order(tmp_path: Path, asynchronous: bool) -> None:
+    """3 epochs, a checkpoint after step 4 (the second epoch's first): the resumed run asks for steps 5 to 9's tasks
+    as the uninterrupted run did, not for the first epoch's order again (TRL's sampler draws each epoch's order from a
+    generator seeded once per process). With `asynchronous`, step 6 reads the third epoch's first batch ahead, from
+    the Trainer's data loader, which the resumed epoch did not read (it read a loader skipping step 4's batch)."""
+    _, _, asked, _ = train(tmp_path, asynchronous, save_every=4, epochs=3)
+    assert asked[1:3] != asked[4:6] and asked[:3] != asked[6:]  # the epochs' orders differ where the resumed run reads
+    _, _, resumed, _ = train(tmp_path, asynchronous, resume="checkpoint-4", epochs=3)
+    assert resumed == asked[4:]
+
+
+def test_each_epochs_order_is_the_one_trls_sampler_draws_in_that_epoch_of_one_process() -> None:
+    trl = RepeatSampler(range(10), mini_repeat_count=2, batch_size=4, repeat_count=1, seed=7)
+    uninterrupted = [list(trl) for _ in range(4)]  # one process: each pass draws the next order
+    assert len({tuple(order) for order in uninterrupted}) == 4
+    ours = EpochSampler(range(10), mini_repeat_count=2, batch_size=4, repeat_count=1, seed=7)
+    for epoch in (0, 2, 1, 3, 3):  # a fresh process set to an epoch (a resume), in any order, any number of times
+        ours.set_epoch(epoch)
+        assert list(ours) == uninterrupted[epoch]
+    with pytest.raises(ValueError, match="needs a seed"):
+        EpochSampler(range(10), mini_repeat_count=2)
+
+
+def test_the_trainer_sets_each_epochs_order_where_accelerates_loader_does_not_pass_it_on() -> None:
+    """On several ranks, a resumed epoch's loader (accelerate's skip over its rank's shard) does not pass `set_epoch`
+    on to the sampler; the trainer sets it on the sampler itself for each epoch it runs."""
+    sampler = EpochSampler(range(8), mini_repeat_count=1, batch_size=4, seed=0)
+    shard = prepare_data_loader(
+        DataLoader(range(8), sampler=sampler, batch_size=2), num_processes=2, process_index=0, put_on_device=False
+    )
+    skipping = skip_first_batches(shard, 1)
+    skipping.set_epoch(3)  # what the Trainer calls for a resumed epoch
+    assert sampler.epoch == 0
+
+    class Epochs(AgentGRPOTrainer):
+        def __init__(self) -> None:  # only what _run_epoch reads
+            self._sampler, self._train_dataloader = sampler, shard
+            self.state = SimpleNamespace(global_step=6, max_steps=6)  # trained: the epoch does not begin
+            self.control = SimpleNamespace(should_training_stop=False)
+
+    trainer = Epochs()
+    trainer._run_epoch(epoch=3)
+    assert sampler.epoch == 3 and trainer._epoch == 3 and trainer.control.should_training_stop
 
 
 @pytest.mark.integration

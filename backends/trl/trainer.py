@@ -30,6 +30,9 @@ A step whose gradient norm is not finite (NaN or inf) is not applied: its gradie
 runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/nonfinite_grad_steps`). Applied, one
 such step turns every weight into NaN, and every later rollout into garbage.
 
+A resumed run reads each epoch's tasks in the order an uninterrupted run does (`EpochSampler`): TRL's sampler draws
+each epoch's order from a generator seeded once per process, which the Trainer does not replay on a resume.
+
 It also keeps each optimizer step's phase times in `phase_s` (read and cleared by GRPO's step log,
 backends/trl/callbacks.py): `generation` (the whole `_generate_and_score_completions`: rollouts, then the batch and
 its advantages) and `update` (forward, backward and optimizer over the step's micro-batches, generation left out).
@@ -49,7 +52,7 @@ from typing import Any
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
 
 from backends.disk import DiskFull, check_before_save
 from backends.trl.fsdp import shard_on_cpu
@@ -179,6 +182,31 @@ def read_carry_state(checkpoint: str) -> dict[str, list[Any]] | None:
     return state
 
 
+class EpochSampler(RepeatSampler):
+    """TRL's RepeatSampler with each epoch's order a function of the epoch: the (epoch + 1)-th permutation of the
+    seed's generator, the order an uninterrupted TRL run reads in that epoch. TRL's draws the next permutation at each
+    pass from a generator seeded once per process; a run resumed in a later epoch would read the first epoch's order
+    again, skipped to the step (some tasks twice in that epoch, others not at all), and HF's Trainer does not replay
+    it. The Trainer sets the epoch (`set_epoch`, also through accelerate's data loader, which calls it on each pass
+    with the epoch the loader was last set to)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.shuffle and self.seed is None:
+            raise ValueError("a shuffled EpochSampler needs a seed: its epochs' orders are drawn from it")
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Any:
+        if self.shuffle:  # the generator as it stands after the epochs before this one drew their orders
+            self.generator.manual_seed(self.seed)
+            for _ in range(self.epoch):
+                torch.randperm(self.num_samples, generator=self.generator)
+        return super().__iter__()
+
+
 class AgentGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + importance-sampling correction with the rollout function's log-probs (`is_correction` /
     `is_cap`: `algorithm.is_correction`, `algorithm.is_cap`; "none" leaves TRL's computation as it is)."""
@@ -214,6 +242,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._next_batches: tuple[Any, list[Any], Any] | None = None
         self._read_from: dict[Any, Any] = {}  # a Trainer's epoch iterator -> ours that stands in for it
         self._train_dataloader: Any = None  # the Trainer's, whose next epoch's iterator is read ahead
+        self._sampler: EpochSampler | None = None  # the train data loader's, set to each epoch the Trainer runs
+        self._epoch = 0  # the epoch the Trainer runs
         self.is_correction = is_correction
         self.is_cap = is_cap
         self.accept_reward = accept_reward  # set: rejection-sampling fine-tuning (`rejection_sampled`)
@@ -248,18 +278,37 @@ class AgentGRPOTrainer(GRPOTrainer):
         if shard_on_cpu(self.accelerator, self.args.fsdp_plugin_args):  # FSDP2 on gloo too (backends/trl/fsdp.py)
             self.is_fsdp_enabled = True
 
+    def _get_train_sampler(self, dataset: Any = None) -> EpochSampler:
+        """TRL's sampler, as an EpochSampler: a resumed run reads each epoch's order, not the first epoch's again."""
+        trl = super()._get_train_sampler(dataset)
+        self._sampler = EpochSampler(
+            trl.data_source, trl.mini_repeat_count, trl.batch_size, trl.repeat_count, trl.shuffle, trl.seed
+        )
+        return self._sampler
+
     def get_train_dataloader(self) -> Any:
         self._train_dataloader = super().get_train_dataloader()
         return self._train_dataloader
 
-    def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
-        """The Trainer's epoch, not begun once `max_steps` are trained or the budget is spent: both are checked
-        only after a step, so a run resumed from its last step's checkpoint (stopped before its final model) would
-        train one step more."""
+    def _run_epoch(self, *args: Any, epoch: int, **kwargs: Any) -> None:
+        """The Trainer's epoch, its order set (`EpochSampler`: the Trainer's own `set_epoch` does not reach a sampler
+        under a resumed epoch's skipping loader on several ranks); not begun once `max_steps` are trained or the
+        budget is spent: both are checked only after a step, so a run resumed from its last step's checkpoint
+        (stopped before its final model) would train one step more."""
+        self._epoch = epoch
+        self._read_epoch(epoch)
         if self.state.global_step >= self.state.max_steps or self.budget_spent():
             self.control.should_training_stop = True
             return
-        super()._run_epoch(*args, **kwargs)
+        super()._run_epoch(*args, epoch=epoch, **kwargs)
+
+    def _read_epoch(self, epoch: int) -> None:
+        """The epoch whose order the train data loader reads on its next pass: set on the sampler and on accelerate's
+        loader, which sets its sampler to its own epoch at each pass (where its `set_epoch` reaches it)."""
+        if self._sampler is not None:
+            self._sampler.set_epoch(epoch)
+        if self._train_dataloader is not None:
+            self._train_dataloader.set_epoch(epoch)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         """The Trainer's batches of this optimizer step; with `lookahead`, the next step's are read now as well and
@@ -284,6 +333,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             if upcoming:
                 self._next_batches = (epoch_iterator, upcoming, source)
             elif self._train_dataloader is not None:  # this epoch's last step: the next epoch's first
+                self._read_epoch(self._epoch + 1)  # its order, as the Trainer sets it for that epoch
                 following = iter(self._train_dataloader)
                 upcoming, _ = super().get_batch_samples(following, num_batches, device)
                 self._next_batches = (None, upcoming, following) if upcoming else None
