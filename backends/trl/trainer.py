@@ -242,7 +242,6 @@ class AgentGRPOTrainer(GRPOTrainer):
         self._next_batches: tuple[Any, list[Any], Any] | None = None
         self._read_from: dict[Any, Any] = {}  # a Trainer's epoch iterator -> ours that stands in for it
         self._train_dataloader: Any = None  # the Trainer's, whose next epoch's iterator is read ahead
-        self._sampler: EpochSampler | None = None  # the train data loader's, set to each epoch the Trainer runs
         self._epoch = 0  # the epoch the Trainer runs
         self.is_correction = is_correction
         self.is_cap = is_cap
@@ -281,10 +280,9 @@ class AgentGRPOTrainer(GRPOTrainer):
     def _get_train_sampler(self, dataset: Any = None) -> EpochSampler:
         """TRL's sampler, as an EpochSampler: a resumed run reads each epoch's order, not the first epoch's again."""
         trl = super()._get_train_sampler(dataset)
-        self._sampler = EpochSampler(
+        return EpochSampler(
             trl.data_source, trl.mini_repeat_count, trl.batch_size, trl.repeat_count, trl.shuffle, trl.seed
         )
-        return self._sampler
 
     def get_train_dataloader(self) -> Any:
         self._train_dataloader = super().get_train_dataloader()
@@ -303,10 +301,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         super()._run_epoch(*args, epoch=epoch, **kwargs)
 
     def _read_epoch(self, epoch: int) -> None:
-        """The epoch whose order the train data loader reads on its next pass: set on the sampler and on accelerate's
-        loader, which sets its sampler to its own epoch at each pass (where its `set_epoch` reaches it)."""
-        if self._sampler is not None:
-            self._sampler.set_epoch(epoch)
+        """The epoch whose order the Trainer's data loader reads on its next pass: accelerate's loader passes it on to
+        its sampler (a resumed epoch's skipping loader on several ranks does not: the sampler keeps this one's)."""
         if self._train_dataloader is not None:
             self._train_dataloader.set_epoch(epoch)
 
