@@ -159,7 +159,7 @@ def test_each_epochs_order_is_the_one_trls_sampler_draws_in_that_epoch_of_one_pr
 
 def test_the_trainer_sets_each_epochs_order_where_accelerates_loader_does_not_pass_it_on() -> None:
     """On several ranks, a resumed epoch's loader (accelerate's skip over its rank's shard) does not pass `set_epoch`
-    on to the sampler; the trainer sets it on the sampler itself for each epoch it runs."""
+    on to the sampler; the trainer sets each epoch it runs on the Trainer's own loader, which does."""
     sampler = EpochSampler(range(8), mini_repeat_count=1, batch_size=4, seed=0)
     shard = prepare_data_loader(
         DataLoader(range(8), sampler=sampler, batch_size=2), num_processes=2, process_index=0, put_on_device=False

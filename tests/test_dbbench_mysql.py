@@ -91,14 +91,8 @@ def mariadb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MySQLServer]:
     )
     assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
     port = closed_port()
-    options = [
-        f"--datadir={data}",
-        f"--tmpdir={tmp}",
-        f"--socket={sock}",
-        f"--port={port}",
-        "--bind-address=127.0.0.1",
-        f"--user={user}",
-    ]
+    options = [f"--datadir={data}", f"--tmpdir={tmp}", f"--socket={sock}", f"--port={port}", f"--user={user}"]
+    options += ["--bind-address=127.0.0.1"]
     options += [f"--pid-file={root / 'mariadbd.pid'}", f"--log-error={log}", "--skip-log-bin", "--skip-name-resolve"]
     options += ["--innodb-buffer-pool-size=32M", "--max-connections=300"]
     server = subprocess.Popen(

@@ -38,29 +38,16 @@ def test_the_pinned_pytest_and_xdist_keep_a_group_on_one_worker(tmp_path: Path) 
             + "".join(f"def test_{i}():\n    pass\n\n" for i in range(4))
         )
     (tmp_path / "test_free.py").write_text("".join(f"def test_{i}():\n    pass\n\n" for i in range(4)))
+    options = ["-n", "3", "--dist", "loadgroup", "-v", "-p", "no:cacheprovider", "-o", "addopts="]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-n",
-            "3",
-            "--dist",
-            "loadgroup",
-            "-v",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "addopts=",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "pytest", *options, str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    ran = re.findall(r"^\[(gw\d+)\] .*?(PASSED) (\S+)", done.stdout, re.MULTILINE)
+    ran = re.findall(r"^\[(gw\d+)\] .*?PASSED (\S+)", done.stdout, re.MULTILINE)
     assert len(ran) == 12, done.stdout[-2000:]
-    grouped = {worker for worker, _, test in ran if "test_free" not in test}
+    grouped = {worker for worker, test in ran if "test_free" not in test}
     assert len(grouped) == 1, f"the group's 8 tests ran on {sorted(grouped)}:\n{done.stdout[-2000:]}"

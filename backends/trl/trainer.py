@@ -187,8 +187,7 @@ class EpochSampler(RepeatSampler):
     seed's generator, the order an uninterrupted TRL run reads in that epoch. TRL's draws the next permutation at each
     pass from a generator seeded once per process; a run resumed in a later epoch would read the first epoch's order
     again, skipped to the step (some tasks twice in that epoch, others not at all), and HF's Trainer does not replay
-    it. The Trainer sets the epoch (`set_epoch`, also through accelerate's data loader, which calls it on each pass
-    with the epoch the loader was last set to)."""
+    it. The epoch comes from accelerate's data loader, which passes its own on (`set_epoch`) at each pass."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
