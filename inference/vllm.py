@@ -18,9 +18,10 @@
   sampled so far recomputed; every token keeps the log-prob it was sampled with. An engine core in its own process
   (`own_process`) steps by itself, also between a load's buckets: its scheduler is paused for the load (vLLM's
   `sleep(level=0, mode="keep")`, which returns once no step is in flight; requests stay) and resumed after the reset
-  (`wake_up(tags=["scheduling"])`), so no token is sampled from half-loaded weights. vLLM's
-  asynchronous scheduling is then off: in vLLM 0.20.2 that preemption drops the next token of a request that had
-  none in flight while the model still reads it (vllm-project/vllm#42043). The recomputation is mostly not in
+  (`wake_up(tags=["scheduling"])`), so no token is sampled from half-loaded weights. Before vLLM 0.22.0 its
+  asynchronous scheduling is then off: there that preemption drops the next token of a request that had none in
+  flight while the model still reads it (vllm-project/vllm#42043, fixed by #42117 in 0.22.0, which keeps vLLM's
+  default). The recomputation is mostly not in
   `prefilled` (a preempted request's is not). Without `live_loads` a load with requests in flight is refused.
 - Weights: vLLM starts with dummy weights built from the model's config; `load(model)` copies the trainer's current
   weights in through vLLM's own `load_weights` (the checkpoint's names and its q/k/v, gate/up stacking), before every
@@ -64,6 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from packaging.version import Version
 from transformers import PreTrainedModel
 
 from inference.engine import Completion, finish
@@ -73,6 +75,7 @@ from inference.weights import full_weights
 log = logging.getLogger(__name__)
 
 IPC_BUCKET_BYTES = 1 << 30  # backend.vllm_own_process: weights sent per call to the engine process
+ASYNC_PREEMPTION_FIXED = (0, 22, 0)  # the first vLLM release with vllm-project/vllm#42117 (fixes #42043)
 
 
 def share(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
@@ -191,9 +194,23 @@ def _start_llm(
             logprobs_mode="processed_logprobs",
             generation_config="vllm",
             seed=settings.seed,
-            # vLLM's own default (on where its executor allows it) unless loads come mid-batch (module docstring)
-            **({"async_scheduling": False} if settings.live_loads else {}),
+            # vLLM's own default (on where its executor allows it) unless loads come mid-batch on a vLLM whose
+            # preemption then drops a token (module docstring)
+            **({"async_scheduling": False} if settings.live_loads and not preempts_exactly(vllm_version()) else {}),
         )
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version."""
+    import vllm
+
+    return vllm.__version__
+
+
+def preempts_exactly(version: str) -> bool:
+    """Whether vLLM `version` keeps every token of a request preempted at a cache reset under its asynchronous
+    scheduling: releases before 0.22.0 drop the next token of a request that had none in flight (vllm#42043)."""
+    return Version(version).release >= ASYNC_PREEMPTION_FIXED
 
 
 def architecture(model: PreTrainedModel) -> str:

@@ -27,7 +27,7 @@ from backends.samples import flatten
 from foundation.errors import ConfigError
 from inference import make_engine, resolve_engine
 from inference.policy_server import PolicyServer
-from inference.vllm import VLLMEngine, VLLMSettings, _start_llm, vllm_engine
+from inference.vllm import VLLMEngine, VLLMSettings, _start_llm, preempts_exactly, vllm_engine
 from inference.weights import full_weights
 from jobs.config import build_components
 from tests.conftest import micro_tiny
@@ -779,15 +779,22 @@ def test_a_failed_cache_reset_fails_the_load(tiny) -> None:
     engine.close()
 
 
-def test_live_loads_turn_vllms_asynchronous_scheduling_off(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_loads_turn_asynchronous_scheduling_off_before_vllm_0_22(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM 0.20.2's preemption at a cache reset drops a token of a request without one in flight under its
-    asynchronous scheduling (vllm-project/vllm#42043): off with live loads, vLLM's own default otherwise."""
+    asynchronous scheduling (vllm-project/vllm#42043, fixed in 0.22.0): off with live loads on such a vLLM, vLLM's
+    own default otherwise."""
     model, _ = tiny
     built: list[dict[str, Any]] = []
-    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs)))
-    for live in (True, False):
-        _start_llm(model, VLLMSettings(max_model_len=64, live_loads=live), executor=lambda _: nullcontext({}))
-    settings = VLLMSettings(max_model_len=64, live_loads=True, own_process=True)
-    _start_llm(model, settings, executor=lambda _: nullcontext({}))
-    assert built[0]["async_scheduling"] is False and "async_scheduling" not in built[1]
-    assert built[2]["async_scheduling"] is False  # its engine process too
+
+    def start(version: str, **settings: Any) -> dict[str, Any]:
+        fake = SimpleNamespace(LLM=lambda **kwargs: built.append(kwargs), __version__=version)
+        monkeypatch.setitem(sys.modules, "vllm", fake)
+        _start_llm(model, VLLMSettings(max_model_len=64, **settings), executor=lambda _: nullcontext({}))
+        return built[-1]
+
+    assert start("0.20.2", live_loads=True)["async_scheduling"] is False
+    assert start("0.20.2", live_loads=True, own_process=True)["async_scheduling"] is False  # its engine process too
+    assert "async_scheduling" not in start("0.20.2", live_loads=False)
+    for fixed in ("0.22.0", "0.23.1", "1.0.0"):
+        assert "async_scheduling" not in start(fixed, live_loads=True)
+    assert not preempts_exactly("0.21.0") and not preempts_exactly("0.20.2+cu130") and preempts_exactly("0.22.0")
