@@ -6,8 +6,8 @@
 #   N calls, carry [".dv00"] ... :            bash bench/agent_step_calls.sh part    (the last: part install N)
 #       vLLM 0.20.2's bundle, one part a call (a call carries the working tree too, 64 MiB in all): the closure of
 #       ../shared/gpu/vllm-wheels.py in parts, each in a git-excluded folder of its own (.dvNN/partNN: `PART_MIB=16
-#       bash bench/carry_parts.sh vllm` beside the 42 MB tree: 21 parts); `install N` checks that N parts came, joins
-#       them and installs to /tmp/site
+#       bash bench/carry_parts.sh vllm` beside the 42 MB tree: 21 parts; VLLM_VERSION=0.22.0: 22); `install N` checks
+#       that N parts came, joins them and installs to /tmp/site
 #   2 calls:  bash bench/agent_step_calls.sh measure sync own-partial
 #             bash bench/agent_step_calls.sh measure own in-partial
 #       each variant in turn (vLLM starts anew in each: ~60 s of a variant's ~200 s), its JSON and log in $OUT, then

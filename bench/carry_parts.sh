@@ -7,7 +7,10 @@
 #                                    bench/agent_step_calls.sh's first call; ~30 s
 #   bash bench/carry_parts.sh vllm   .dv00 .. .dvNN: vLLM 0.20.2's bundle (../shared/gpu/vllm-wheels.py) in 20 MiB
 #                                    parts (17), .dvNN/partNN (bench/agent_step_calls.sh: `part`, the last `part install
-#                                    N+1`); ~2 min
+#                                    N+1`); ~2 min. VLLM_VERSION=0.22.0: that release's closure instead (the same
+#                                    script, its vLLM pin replaced; also built on torch 2.11), less the MLA and
+#                                    mixed-precision kernels 0.22 adds (tokenspeed-*, humming-kernels: imported only
+#                                    for other models and quantizations): 73 wheels, 345 MiB, 22 parts of 16 MiB
 #   bash bench/carry_parts.sh verl   .dl00 .. .dlNN: the verl stack (bench/gpu_wheels.py --stack verl) in 20 MiB parts,
 #                                    .dlNN/partNN, install.sh with the last: there `cp .dlNN/* /tmp/vv/` a call, then
 #                                    `bash /tmp/vv/install.sh /tmp/proj` once all are in; ~1 min
@@ -42,8 +45,15 @@ case ${1:-} in
     ;;
   vllm)
     exclude "/.dv[0-9][0-9]/"
-    wheels=${VLLM_WHEELS:-/tmp/vllm-wheels}
-    [ -f "$wheels/.done" ] || { "$PYTHON" ../shared/gpu/vllm-wheels.py "$wheels" && touch "$wheels/.done"; }
+    version=${VLLM_VERSION:-0.20.2}
+    wheels=${VLLM_WHEELS:-/tmp/vllm-wheels-$version}
+    if [ ! -f "$wheels/.done" ]; then
+      script=$(mktemp --suffix=.py)
+      sed "s/\"vllm==0.20.2\"/\"vllm==$version\"/" ../shared/gpu/vllm-wheels.py > "$script"
+      grep -q "\"vllm==$version\"" "$script" || { echo "../shared/gpu/vllm-wheels.py pins no vllm==0.20.2"; exit 1; }
+      "$PYTHON" "$script" "$wheels" && rm -f "$script" "$wheels"/tokenspeed_* "$wheels"/humming_kernels-* \
+        "$wheels"/pyelftools-* && touch "$wheels/.done"
+    fi
     tmp=$(mktemp -d)
     tar -cf - -C "$wheels" --exclude=.done . | split -b "${PART_MIB}M" -d - "$tmp/part"
     spread .dv "$tmp"/part*
