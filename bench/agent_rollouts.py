@@ -33,6 +33,8 @@ not timed: the last step of a run has nothing generating behind it. Side by side
 `--async --partial` adds `algorithm.partial_rollouts` (each step loads its weights while the batch read ahead still
 generates and starts the next batch before waiting for it); `--carry-over` adds `algorithm.carry_over` (a step
 trains the groups finished first and carries the others over; with `--override algorithm.max_staleness=2`).
+`--profile-step K` adds step K's operators by their own device time (torch.profiler, this process only: with
+`backend.vllm_own_process=true` and without `--async`, the update alone) to the result's `profile`.
 
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
@@ -56,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -197,9 +200,54 @@ def device_used_gib() -> float:
     return (total - free) / 2**30
 
 
+class StepProfile(TrainerCallback):
+    """torch.profiler over one step (`--profile-step`, 0 = the first): what this process runs in it, by operator. With
+    vLLM in its own process (`backend.vllm_own_process=true`) that is the update alone, with the weight sync."""
+
+    TOP = 25  # operators kept, by their own time on the device (on a CPU run: on the CPU)
+
+    def __init__(self, step: int | None) -> None:
+        self.step, self.profiler = step, None
+
+    def on_step_begin(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.step:
+            cuda = [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, *cuda])
+            self.profiler.start()
+
+    def on_step_end(self, _args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.profiler is not None and state.global_step == self.step + 1:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.stop()
+
+    def summary(self, step_s: float) -> dict[str, Any]:
+        """The step's operators by own time (ms, every call summed), and how much of the step the device was busy."""
+        assert self.profiler is not None, f"step {self.step} never began"
+        events = self.profiler.key_averages()
+        on_device = torch.cuda.is_available()
+        mine = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
+        top = sorted(events, key=mine, reverse=True)[: self.TOP]
+        busy_ms = sum(e.self_device_time_total for e in events) / 1e3
+        return {
+            "step": self.step,
+            "step_s": step_s,
+            "device_busy_ms": busy_ms,  # kernels' own time summed (overlapping streams count twice)
+            "device_busy_share": busy_ms / 1e3 / step_s,
+            "operators": [
+                {
+                    "name": e.key,
+                    "calls": e.count,
+                    "self_device_ms": e.self_device_time_total / 1e3,
+                    "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                }
+                for e in top
+            ],
+        }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from datasets import Dataset
-    from transformers import TrainerCallback
 
     from backends.memory import DeviceMemory
     from backends.samples import EXCLUSION_REASONS
@@ -285,6 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 trainer.phase_s.clear()
 
         timer = StepTimer()
+        profile = StepProfile(args.profile_step)
         trainer = AgentGRPOTrainer(
             model=model,
             reward_funcs=[passthrough_reward("exec_match")],
@@ -293,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             processing_class=tokenizer,
             peft_config=finetune.peft_config(),
             rollout_func=announced,
-            callbacks=[timer, PhaseLog()],
+            callbacks=[timer, PhaseLog(), profile],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             lookahead=args.asynchronous,
@@ -340,6 +389,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": wall,
             "engine_stats": {k: getattr(engine, k) for k in ENGINE_STATS if hasattr(engine, k)},
         }
+        if args.profile_step is not None:
+            result["profile"] = profile.summary(timer.steps[args.profile_step])
         # the bound with all rollouts in flight at the mean context: the prompt plus about half a 3-turn response
         result |= bandwidth_bound(trainer, model, args.tasks * args.group, statistics.mean(prompt_tokens) + 900, args)
         result["bound_share"] = result["rollout_tokens_per_s"] / result["bound_tokens_per_s"]
@@ -387,6 +438,7 @@ def main() -> None:
     parser.add_argument("--async", dest="asynchronous", action="store_true", help="algorithm.async_rollouts")
     parser.add_argument("--partial", action="store_true", help="algorithm.partial_rollouts (with --async)")
     parser.add_argument("--carry-over", action="store_true", help="algorithm.carry_over (with --partial)")
+    parser.add_argument("--profile-step", type=int, default=None, help="profile this step (0: the first) by operator")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, after the bench's own")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")

@@ -61,7 +61,8 @@ def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Pa
     out = tmp_path / "r.json"
     command = [sys.executable, "bench/agent_rollouts.py", "--shape", "tiny", "--device", "cpu", "--engine", "hf"]
     command += ["--steps", "1", "--warmup", "0", "--tasks", "1", "--group", "2", "--turns", "1", "--micro-batch", "2"]
-    command += ["--response-budget", "256", *mode, "--out", str(out), "--override", "algorithm.max_staleness=2"]
+    command += ["--response-budget", "256", *mode, "--profile-step", "0"]
+    command += ["--out", str(out), "--override", "algorithm.max_staleness=2"]
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(out.read_text())["result"]
@@ -70,6 +71,13 @@ def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Pa
     assert result["carry_over"] is ("--carry-over" in mode)
     assert result["median_step_s"] == result["step_s"][0]
     assert result["per_step"][0]["generated_tokens"] > 0 and result["per_step"][0]["update_s"] > 0
+    # the profiled step's operators, by their own time, the update's matrix products and backward among them
+    profile = result["profile"]
+    assert profile["step"] == 0 and profile["step_s"] == result["step_s"][0]
+    names = [o["name"] for o in profile["operators"]]
+    assert {"aten::mm", "aten::addmm"} & set(names) and any("Backward" in n for n in names), names
+    own = [o["self_cpu_ms"] for o in profile["operators"]]
+    assert own == sorted(own, reverse=True) and all(o["calls"] > 0 for o in profile["operators"])
 
 
 def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole(tmp_path: Path) -> None:
