@@ -22,6 +22,9 @@
 #                vllm-project/vllm#42043; `own` keeps vLLM's default, on)
 #   in-partial   partial rollouts with vLLM in the trainer's process
 #   own-carry    own-partial with algorithm.carry_over: a step trains the groups finished first, the others carry over
+#   own-sync     synchronous with vLLM in its own process, the second timed step profiled (--profile-step 2): the
+#                update's operators alone, in the JSON's `profile` (where its 9.4 s on an H100 go)
+#                (that step carries the profiler's overhead: its time is not the variant's to compare)
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,6 +36,7 @@ declare -A VARIANT=(
   [in-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3"
   [own-carry]="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3
     backend.vllm_own_process=true algorithm.max_staleness=2"
+  [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )
 
 end_gpu_processes() {  # what a variant left on the GPU (a warm machine keeps it into the next call), up to 30 s
