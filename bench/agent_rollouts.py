@@ -33,8 +33,9 @@ not timed: the last step of a run has nothing generating behind it. Side by side
 `--async --partial` adds `algorithm.partial_rollouts` (each step loads its weights while the batch read ahead still
 generates and starts the next batch before waiting for it); `--carry-over` adds `algorithm.carry_over` (a step
 trains the groups finished first and carries the others over; with `--override algorithm.max_staleness=2`).
-`--profile-step K` adds step K's operators by their own device time (torch.profiler, this process only: with
-`backend.vllm_own_process=true` and without `--async`, the update alone) to the result's `profile`.
+`--profile-step K` adds step K's operators and kernels by their own device time, and the kernels' time against the
+step's and the update's, to the result's `profile` (torch.profiler, this process only: with
+`backend.vllm_own_process=true` and without `--async`, the update, the weight sync and the agents, no generation).
 
 Reported per engine: rollout phase wall time (median over timed steps), generated tokens (model tokens sampled, all
 rollouts) and tokens/s, the share of a bandwidth bound (every decode step reading the weights once and the running
@@ -201,10 +202,11 @@ def device_used_gib() -> float:
 
 
 class StepProfile(TrainerCallback):
-    """torch.profiler over one step (`--profile-step`, 0 = the first): what this process runs in it, by operator. With
-    vLLM in its own process (`backend.vllm_own_process=true`) that is the update alone, with the weight sync."""
+    """torch.profiler over one step (`--profile-step`, 0 = the first): the work of this process in it. With vLLM in
+    its own process (`backend.vllm_own_process=true`) and no `--async`, that is the update, the weight sync and the
+    agents' CPU work, without generation (vLLM's process is not profiled)."""
 
-    TOP = 25  # operators kept, by their own time on the device (on a CPU run: on the CPU)
+    TOP = 25  # operators and kernels kept, each by its own time on the device (on a CPU run: on the CPU)
 
     def __init__(self, step: int | None) -> None:
         self.step, self.profiler = step, None
@@ -221,28 +223,38 @@ class StepProfile(TrainerCallback):
                 torch.cuda.synchronize()
             self.profiler.stop()
 
-    def summary(self, step_s: float) -> dict[str, Any]:
-        """The step's operators by own time (ms, every call summed), and how much of the step the device was busy."""
+    def summary(self, step_s: float, update_s: float) -> dict[str, Any]:
+        """The step's operators (an operator's device time is its kernels') and kernels, each by own time (ms, every
+        call summed), and the kernels' time against the step's and the update's."""
+        from torch.autograd import DeviceType
+
         assert self.profiler is not None, f"step {self.step} never began"
-        events = self.profiler.key_averages()
-        on_device = torch.cuda.is_available()
-        mine = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
-        top = sorted(events, key=mine, reverse=True)[: self.TOP]
-        busy_ms = sum(e.self_device_time_total for e in events) / 1e3
-        return {
-            "step": self.step,
-            "step_s": step_s,
-            "device_busy_ms": busy_ms,  # kernels' own time summed (overlapping streams count twice)
-            "device_busy_share": busy_ms / 1e3 / step_s,
-            "operators": [
+        events = [e for e in self.profiler.key_averages() if not getattr(e, "is_user_annotation", False)]
+        operators = [e for e in events if e.device_type == DeviceType.CPU]
+        kernels = [e for e in events if e.device_type != DeviceType.CPU]
+        busy_s = sum(e.self_device_time_total for e in kernels) / 1e6  # kernels on overlapping streams count twice
+        own = (lambda e: e.self_device_time_total) if kernels else (lambda e: e.self_cpu_time_total)
+
+        def top(some: list[Any]) -> list[dict[str, Any]]:
+            return [
                 {
                     "name": e.key,
                     "calls": e.count,
                     "self_device_ms": e.self_device_time_total / 1e3,
                     "self_cpu_ms": e.self_cpu_time_total / 1e3,
                 }
-                for e in top
-            ],
+                for e in sorted(some, key=own, reverse=True)[: self.TOP]
+            ]
+
+        return {
+            "step": self.step,
+            "step_s": step_s,
+            "update_s": update_s,  # the step's update (PhaseLog's update_s): what the kernels' time compares with
+            "device_busy_s": busy_s,
+            "device_busy_share_of_step": busy_s / step_s,
+            "device_busy_share_of_update": busy_s / update_s,
+            "operators": top(operators),
+            "kernels": top(kernels),
         }
 
 
@@ -390,7 +402,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "engine_stats": {k: getattr(engine, k) for k in ENGINE_STATS if hasattr(engine, k)},
         }
         if args.profile_step is not None:
-            result["profile"] = profile.summary(timer.steps[args.profile_step])
+            result["profile"] = profile.summary(timer.steps[args.profile_step], per_step[args.profile_step]["update_s"])
         # the bound with all rollouts in flight at the mean context: the prompt plus about half a 3-turn response
         result |= bandwidth_bound(trainer, model, args.tasks * args.group, statistics.mean(prompt_tokens) + 900, args)
         result["bound_share"] = result["rollout_tokens_per_s"] / result["bound_tokens_per_s"]
@@ -451,6 +463,8 @@ def main() -> None:
         parser.error("--partial: with --async (partial rollouts are asynchronous ones)")
     if args.carry_over and not args.partial:
         parser.error("--carry-over: with --partial (it takes the groups finished first from partial rollouts)")
+    if args.profile_step is not None and not 0 <= args.profile_step < run_steps(args):
+        parser.error(f"--profile-step {args.profile_step}: the run trains steps 0 to {run_steps(args) - 1}")
 
     import peft
     import transformers

@@ -23,8 +23,9 @@
 #   in-partial   partial rollouts with vLLM in the trainer's process
 #   own-carry    own-partial with algorithm.carry_over: a step trains the groups finished first, the others carry over
 #   own-sync     synchronous with vLLM in its own process, the second timed step profiled (--profile-step 2): the
-#                update's operators alone, in the JSON's `profile` (where its 9.4 s on an H100 go)
-#                (that step carries the profiler's overhead: its time is not the variant's to compare)
+#                update's operators and kernels (with the weight sync and the agents' CPU work; generation runs in
+#                vLLM's process), in the JSON's `profile`: where its 9.4 s on an H100 go (that step carries the
+#                profiler's overhead: its time is not the variant's to compare)
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -51,8 +51,9 @@ case ${1:-} in
       script=$(mktemp --suffix=.py)
       sed "s/\"vllm==0.20.2\"/\"vllm==$version\"/" ../shared/gpu/vllm-wheels.py > "$script"
       grep -q "\"vllm==$version\"" "$script" || { echo "../shared/gpu/vllm-wheels.py pins no vllm==0.20.2"; exit 1; }
-      "$PYTHON" "$script" "$wheels" && rm -f "$script" "$wheels"/tokenspeed_* "$wheels"/humming_kernels-* \
-        "$wheels"/pyelftools-* && touch "$wheels/.done"
+      "$PYTHON" "$script" "$wheels"
+      rm -f "$script" "$wheels"/tokenspeed_* "$wheels"/humming_kernels-* "$wheels"/pyelftools-*
+      touch "$wheels/.done"
     fi
     tmp=$(mktemp -d)
     tar -cf - -C "$wheels" --exclude=.done . | split -b "${PART_MIB}M" -d - "$tmp/part"

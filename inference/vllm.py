@@ -75,7 +75,7 @@ from inference.weights import full_weights
 log = logging.getLogger(__name__)
 
 IPC_BUCKET_BYTES = 1 << 30  # backend.vllm_own_process: weights sent per call to the engine process
-ASYNC_PREEMPTION_FIXED = (0, 22, 0)  # the first vLLM release with vllm-project/vllm#42117 (fixes #42043)
+ASYNC_PREEMPTION_FIXED = "0.22.0"  # the first vLLM release with vllm-project/vllm#42117 (fixes #42043)
 
 
 def share(tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
@@ -209,8 +209,9 @@ def vllm_version() -> str:
 
 def preempts_exactly(version: str) -> bool:
     """Whether vLLM `version` keeps every token of a request preempted at a cache reset under its asynchronous
-    scheduling: releases before 0.22.0 drop the next token of a request that had none in flight (vllm#42043)."""
-    return Version(version).release >= ASYNC_PREEMPTION_FIXED
+    scheduling: releases before 0.22.0 drop the next token of a request that had none in flight (vllm#42043); its
+    release candidates and dev builds are not known to have the fix, and count as before it."""
+    return Version(version) >= Version(ASYNC_PREEMPTION_FIXED)
 
 
 def architecture(model: PreTrainedModel) -> str:

@@ -74,10 +74,19 @@ def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Pa
     # the profiled step's operators, by their own time, the update's matrix products and backward among them
     profile = result["profile"]
     assert profile["step"] == 0 and profile["step_s"] == result["step_s"][0]
+    assert profile["update_s"] == result["per_step"][0]["update_s"]
     names = [o["name"] for o in profile["operators"]]
     assert {"aten::mm", "aten::addmm"} & set(names) and any("Backward" in n for n in names), names
     own = [o["self_cpu_ms"] for o in profile["operators"]]
     assert own == sorted(own, reverse=True) and all(o["calls"] > 0 for o in profile["operators"])
+    assert profile["kernels"] == [] and profile["device_busy_s"] == 0  # a CPU run launches no kernel
+
+
+def test_a_profile_step_the_run_does_not_train_is_refused_before_it_starts() -> None:
+    command = [sys.executable, "bench/agent_rollouts.py", "--shape", "tiny", "--device", "cpu", "--steps", "2"]
+    command += ["--warmup", "1", "--tasks", "1", "--group", "2", "--turns", "1", "--micro-batch", "2"]
+    finished = subprocess.run([*command, "--profile-step", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 2 and "the run trains steps 0 to 2" in finished.stderr, finished.stderr[-2000:]
 
 
 def test_the_gpu_bundle_carries_what_its_stack_needs_in_parts_that_install_whole(tmp_path: Path) -> None:

@@ -795,6 +795,7 @@ def test_live_loads_turn_asynchronous_scheduling_off_before_vllm_0_22(tiny, monk
     assert start("0.20.2", live_loads=True)["async_scheduling"] is False
     assert start("0.20.2", live_loads=True, own_process=True)["async_scheduling"] is False  # its engine process too
     assert "async_scheduling" not in start("0.20.2", live_loads=False)
-    for fixed in ("0.22.0", "0.23.1", "1.0.0"):
+    for fixed in ("0.22.0", "0.22.0+cu130", "0.23.1", "1.0.0"):
         assert "async_scheduling" not in start(fixed, live_loads=True)
-    assert not preempts_exactly("0.21.0") and not preempts_exactly("0.20.2+cu130") and preempts_exactly("0.22.0")
+    for before in ("0.21.0", "0.20.2+cu130", "0.22.0rc1", "0.22.0.dev5+g1234abc"):
+        assert not preempts_exactly(before), before
