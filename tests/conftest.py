@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -158,6 +159,18 @@ def run_eval(app: FastAPI, args: list[str], cache: Path, output: Path) -> tuple[
         result = launch(["job=eval", *args, f"endpoint.base_url={url}", f"hydra.run.dir={run_dir}"], cache, output)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads((run_dir / "eval" / "summary.json").read_text()), run_dir
+
+
+APT_LOCK = Path("/tmp/arl-apt.lock")  # apt-get in two test workers at once fails: `update` does not wait for its lock
+
+
+@contextmanager
+def apt_lock() -> Iterator[None]:
+    """Held while a fixture may install packages (SLURM's cluster, MariaDB), so that one worker's apt-get runs at a
+    time; a second waits (its fixture's own timeout bounds the wait)."""
+    with APT_LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def closed_port() -> int:

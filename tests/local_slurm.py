@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, apt_lock
 
 CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
 LOCK = Path("/tmp/arl-slurm.lock")  # one test session at a time owns the machine's cluster
@@ -31,7 +31,8 @@ def local_cluster(nodes: int = 1) -> Iterator[None]:
     with LOCK.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            started = run_cluster("start", nodes)
+            with apt_lock():  # the start installs what is missing
+                started = run_cluster("start", nodes)
         except subprocess.TimeoutExpired as exc:
             run_cluster("stop", nodes)
             pytest.fail(f"SLURM did not start in {exc.timeout} s")

@@ -34,7 +34,7 @@ from data import dbbench
 from foundation.errors import ConfigError
 from jobs.preflight import mysql_findings
 from rewards.dbbench_match import DBBenchMatch
-from tests.conftest import ROOT, closed_port, run_eval, wait_for
+from tests.conftest import ROOT, apt_lock, closed_port, run_eval, wait_for
 
 pytestmark = pytest.mark.xdist_group("mariadb")  # one xdist worker starts the server and runs every test on it
 
@@ -44,8 +44,13 @@ APT_TIMEOUT_S = 900  # apt-get update / install, each (a hang guard)
 
 
 def _install_mariadb() -> str | None:
-    """Install Debian's mariadb-server where mariadbd is missing, as tests/slurm/local_cluster.sh installs packages;
-    None when it is there, else why it cannot be."""
+    """Install Debian's mariadb-server where mariadbd is missing, as tests/slurm/local_cluster.sh installs packages
+    (holding the same lock: another worker may be starting SLURM); None when it is there, else why it cannot be."""
+    with apt_lock():
+        return _install_mariadb_locked()
+
+
+def _install_mariadb_locked() -> str | None:
     if shutil.which("mariadbd", path=os.environ.get("PATH", "") + ":/usr/sbin") and shutil.which("mariadb-install-db"):
         return None
     if os.geteuid() != 0 or shutil.which("apt-get") is None:

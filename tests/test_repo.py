@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -51,3 +54,35 @@ def test_the_pinned_pytest_and_xdist_keep_a_group_on_one_worker(tmp_path: Path) 
     assert len(ran) == 12, done.stdout[-2000:]
     grouped = {worker for worker, test in ran if "test_free" not in test}
     assert len(grouped) == 1, f"the group's 8 tests ran on {sorted(grouped)}:\n{done.stdout[-2000:]}"
+
+
+def test_fixtures_that_install_packages_take_turns_with_apt(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`apt-get update` in two workers at once fails at once (its lock does not wait): SLURM's cluster start and
+    MariaDB's install each hold tests/conftest.py's apt lock while they may install (a CI run lost 5 SLURM tests so)."""
+    import tests.conftest
+    from tests import local_slurm, test_dbbench_mysql
+
+    monkeypatch.setattr(tests.conftest, "APT_LOCK", tmp_path / "apt.lock")  # not the lock a running fixture holds
+    monkeypatch.setattr(local_slurm, "LOCK", tmp_path / "slurm.lock")
+    monkeypatch.setattr(local_slurm.os, "geteuid", lambda: 0)
+    held: list[tuple[str, bool]] = []
+
+    def apt_locked() -> bool:
+        with (tmp_path / "apt.lock").open("w") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return False
+
+    def run_cluster(command: str, nodes: int) -> subprocess.CompletedProcess[str]:
+        held.append((command, apt_locked()))
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(local_slurm, "run_cluster", run_cluster)
+    with local_slurm.local_cluster():
+        held.append(("tests", apt_locked()))
+    monkeypatch.setattr(test_dbbench_mysql, "_install_mariadb_locked", lambda: held.append(("mariadb", apt_locked())))
+    test_dbbench_mysql._install_mariadb()
+    assert held == [("start", True), ("tests", False), ("stop", False), ("mariadb", True)]
