@@ -167,7 +167,7 @@ APT_LOCK = Path("/tmp/arl-apt.lock")  # apt-get in two test workers at once fail
 @contextmanager
 def apt_lock() -> Iterator[None]:
     """Held while a fixture may install packages (SLURM's cluster, MariaDB), so that one worker's apt-get runs at a
-    time; a second waits (its fixture's own timeout bounds the wait)."""
+    time; a second waits, as long as the holder's commands may run (each has its timeout: 900 s)."""
     with APT_LOCK.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
