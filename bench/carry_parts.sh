@@ -45,12 +45,12 @@ case ${1:-} in
     ;;
   vllm)
     exclude "/.dv[0-9][0-9]/"
-    version=${VLLM_VERSION:-0.20.2}
+    version=${VLLM_VERSION:-$(sed -n 's/^vllm==//p' constraints-vllm.txt)}  # default: the pinned release
     wheels=${VLLM_WHEELS:-/tmp/vllm-wheels-$version}
     if [ ! -f "$wheels/.done" ]; then
       script=$(mktemp --suffix=.py)
-      sed "s/\"vllm==0.20.2\"/\"vllm==$version\"/" ../shared/gpu/vllm-wheels.py > "$script"
-      grep -q "\"vllm==$version\"" "$script" || { echo "../shared/gpu/vllm-wheels.py pins no vllm==0.20.2"; exit 1; }
+      sed "s/\"vllm==[0-9.]*\"/\"vllm==$version\"/" ../shared/gpu/vllm-wheels.py > "$script"
+      grep -q "\"vllm==$version\"" "$script" || { echo "../shared/gpu/vllm-wheels.py pins no vllm"; exit 1; }
       "$PYTHON" "$script" "$wheels"
       rm -f "$script" "$wheels"/tokenspeed_* "$wheels"/humming_kernels-* "$wheels"/pyelftools-*
       touch "$wheels/.done"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -165,12 +166,17 @@ APT_LOCK = Path("/tmp/arl-apt.lock")  # apt-get in two test workers at once fail
 
 
 @contextmanager
-def apt_lock() -> Iterator[None]:
-    """Held while a fixture may install packages (SLURM's cluster, MariaDB), so that one worker's apt-get runs at a
-    time; a second waits, as long as the holder's commands may run (each has its timeout: 900 s)."""
-    with APT_LOCK.open("w") as lock:
+def file_lock(path: Path) -> Iterator[None]:
+    """`path` locked for this process while the block runs (another test worker that asks waits for it)."""
+    with path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def apt_lock() -> contextlib.AbstractContextManager[None]:
+    """Held while a fixture may install packages (SLURM's cluster, MariaDB), so that one worker's apt-get runs at a
+    time; a second waits, as long as the holder's commands may run (each has its timeout: 900 s)."""
+    return file_lock(APT_LOCK)
 
 
 def closed_port() -> int:

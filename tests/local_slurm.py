@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, apt_lock
+from tests.conftest import ROOT, apt_lock, file_lock
 
 CLUSTER = ROOT / "tests" / "slurm" / "local_cluster.sh"
 LOCK = Path("/tmp/arl-slurm.lock")  # one test session at a time owns the machine's cluster
@@ -28,8 +27,7 @@ def local_cluster(nodes: int = 1) -> Iterator[None]:
     reason where SLURM cannot start."""
     if os.geteuid() != 0:
         pytest.fail("starting SLURM's daemons needs root")
-    with LOCK.open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(LOCK):
         try:
             with apt_lock():  # the start installs what is missing
                 started = run_cluster("start", nodes)
