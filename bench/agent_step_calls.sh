@@ -26,6 +26,9 @@
 #                update's operators and kernels (with the weight sync and the agents' CPU work; generation runs in
 #                vLLM's process), in the JSON's `profile`: where its 9.4 s on an H100 go (that step carries the
 #                profiler's overhead: its time is not the variant's to compare)
+#   own-carry-t64  own-carry at twice the tasks a step (64 x 4, 3 timed steps): twice the rollouts in flight, whether
+#                generation's rate beside the update grows with them (carry-over's step is set by that rate; vLLM
+#                sampled ~104 tokens an engine step of 256 allowed): a probe, not the workload (its step trains 2x)
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -37,6 +40,8 @@ declare -A VARIANT=(
   [in-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3"
   [own-carry]="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3
     backend.vllm_own_process=true algorithm.max_staleness=2"
+  [own-carry-t64]="--tasks 64 --steps 3 --async --partial --carry-over --override
+    backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true algorithm.max_staleness=2"
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )
 
