@@ -22,6 +22,9 @@
 #                vllm-project/vllm#42043; `own` keeps vLLM's default, on)
 #   in-partial   partial rollouts with vLLM in the trainer's process
 #   own-carry    own-partial with algorithm.carry_over: a step trains the groups finished first, the others carry over
+#   own-carry-mps  own-carry with CUDA MPS (a daemon this script starts for the variant and stops after it): the
+#                trainer's and vLLM's kernels then run side by side on the GPU's SMs instead of taking turns in time
+#                slices, as two processes' kernels do without it: whether the update and generation slow each other less
 #   own-sync     synchronous with vLLM in its own process, the second timed step profiled (--profile-step 2): the
 #                update's operators and kernels (with the weight sync and the agents' CPU work; generation runs in
 #                vLLM's process), in the JSON's `profile`: where its 9.4 s on an H100 go (that step carries the
@@ -33,17 +36,28 @@ set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BENCH="bench/agent_rollouts.py --shape qwen25_1_5b --engine vllm --warmup 1 --steps 4 --micro-batch ${MICRO_BATCH:-4}"
+CARRY="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true
+  algorithm.max_staleness=2"  # own-carry's arguments
 declare -A VARIANT=(
   [sync]="--override backend.vllm_gpu_memory_utilization=0.3"
   [own]="--async --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
   [own-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
   [in-partial]="--async --partial --override backend.vllm_gpu_memory_utilization=0.3"
-  [own-carry]="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3
-    backend.vllm_own_process=true algorithm.max_staleness=2"
-  [own-carry-t64]="--tasks 64 --steps 3 --async --partial --carry-over --override
-    backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true algorithm.max_staleness=2"
+  [own-carry]="$CARRY"
+  [own-carry-t64]="--tasks 64 --steps 3 $CARRY"
+  [own-carry-mps]="$CARRY"
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )
+
+mps() {  # mps start | stop: CUDA MPS's control daemon for this script's processes (pipes under /tmp/mps)
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+  if [ "$1" = start ]; then
+    mkdir -p /tmp/mps/pipe /tmp/mps/log && nvidia-cuda-mps-control -d
+  else
+    echo quit | nvidia-cuda-mps-control
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+}
 
 end_gpu_processes() {  # what a variant left on the GPU (a warm machine keeps it into the next call), up to 30 s
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader); do kill "$pid" 2>/dev/null; done
@@ -77,11 +91,15 @@ case ${1:-} in
     for name in "$@"; do
       left=$((deadline - $(date +%s)))
       [ $left -ge 200 ] || { echo "$name: not started, $left s left" | tee -a "$OUT/env.txt"; continue; }
+      if [[ $name == *-mps ]] && ! mps start; then
+        echo "$name: not started, no MPS daemon" | tee -a "$OUT/env.txt"; continue
+      fi
       start=$(date +%s)
       # shellcheck disable=SC2086  # the variant's arguments are words
       timeout -s TERM -k 20 $left python3 $BENCH ${VARIANT[$name]} --out "$OUT/agent_step_$name.json" \
         > "$OUT/$name.log" 2>&1
       echo "$name: exit $? after $(($(date +%s) - start)) s" | tee -a "$OUT/env.txt"
+      if [[ $name == *-mps ]]; then mps stop; cp /tmp/mps/log/control.log "$OUT/$name-mps.log" 2>/dev/null; fi
       end_gpu_processes
     done
     ls "$OUT"/agent_step_*.json > /dev/null 2>&1 && python3 bench/agent_rollouts.py --table "$OUT"/agent_step_*.json
