@@ -10,7 +10,8 @@
 #                                    N+1`); ~2 min. VLLM_VERSION=0.22.0: that release's closure instead (the same
 #                                    script, its vLLM pin replaced; also built on torch 2.11), less the MLA and
 #                                    mixed-precision kernels 0.22 adds (tokenspeed-*, humming-kernels: imported only
-#                                    for other models and quantizations): 73 wheels, 345 MiB, 22 parts of 16 MiB
+#                                    for other models and quantizations), with llguidance 1.6.1 for the 1.7 pinned
+#                                    (below): 74 wheels, 22 parts of 16 MiB
 #   bash bench/carry_parts.sh verl   .dl00 .. .dlNN: the verl stack (bench/gpu_wheels.py --stack verl) in 20 MiB parts,
 #                                    .dlNN/partNN, install.sh with the last: there `cp .dlNN/* /tmp/vv/` a call, then
 #                                    `bash /tmp/vv/install.sh /tmp/proj` once all are in; ~1 min
@@ -53,6 +54,13 @@ case ${1:-} in
       grep -q "\"vllm==$version\"" "$script" || { echo "../shared/gpu/vllm-wheels.py pins no vllm"; exit 1; }
       "$PYTHON" "$script" "$wheels"
       rm -f "$script" "$wheels"/tokenspeed_* "$wheels"/humming_kernels-* "$wheels"/pyelftools-*
+      # vLLM 0.22 imports llguidance with its structured outputs, on every start (a dataclass's annotations): where
+      # the index lacks the release it pins (>=1.7 for 0.22; this index has 1.6.1 at most), the newest it has (its
+      # grammars are never used here: the bench and training send no structured output; installed with --no-deps)
+      if ! ls "$wheels"/llguidance-* > /dev/null 2>&1; then
+        "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+          --platform manylinux_2_28_x86_64 -d "$wheels" "llguidance<1.8"
+      fi
       touch "$wheels/.done"
     fi
     tmp=$(mktemp -d)
