@@ -26,6 +26,14 @@ batch spread over several optimizer steps gives each a fair sample, and here one
 divides each micro-batch by its own token count, so its batch is shuffled as TRL does. TRL's per-micro-batch means
 (`entropy`, `kl`), averaged over micro-batches, then weigh short rows more than a shuffled split would.
 
+LoRA under bf16 autocast: PEFT casts each adapter's input to the adapter's dtype (fp32: PEFT keeps adapters in fp32
+beside a bf16 model) and autocast casts it back to bf16 for the adapter's product, two copies of every adapted
+layer's input in each forward, and of their gradients in the backward. Where the loss's forward autocasts to bf16
+and no adapter has dropout (`adapter_casts_undone`), those casts are skipped (PEFT's `disable_input_dtype_casting`):
+the product's inputs are the same bits, and so are the loss and the gradients (`tests/test_adapter_casts.py`). With
+gradient checkpointing the backward's recomputation still casts (the flags are back by then; same bits). The
+update's profile on an H100 counted 69,497 copies in one step of 32 micro-batches (`bench/README.md`).
+
 A step whose gradient norm is not finite (NaN or inf) is not applied: its gradients are dropped before the optimizer
 runs, as verl's actor does, and `nonfinite_steps` counts it (logged as `train/nonfinite_grad_steps`). Applied, one
 such step turns every weight into NaN, and every later rollout into garbage.
@@ -51,6 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from peft.helpers import disable_input_dtype_casting
+from peft.tuners.tuners_utils import BaseTunerLayer
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
 
@@ -206,6 +216,27 @@ class EpochSampler(RepeatSampler):
         return super().__iter__()
 
 
+def autocasts_to_bf16(accelerator: Any) -> bool:
+    """Whether the Trainer's forward passes run under bf16 autocast (accelerate's `autocast()`, which TRL's loss
+    forward enters): with `bf16` on GPUs (one, DDP, FSDP2, whose adapters are bf16 in the forward anyway); not on CPU
+    runs (fp32)."""
+    device = accelerator.device.type
+    with accelerator.autocast():
+        return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+
+
+def adapter_casts_undone(model: Any, accelerator: Any) -> bool:
+    """Whether PEFT's cast of each adapter's input is undone before it counts: the forward autocasts to bf16, and no
+    adapter has dropout (dropout runs on the cast input, so in fp32 it would differ in the last bits)."""
+    dropout = any(
+        not isinstance(d, torch.nn.Identity)
+        for m in model.modules()
+        if isinstance(m, BaseTunerLayer)
+        for d in getattr(m, "lora_dropout", {}).values()
+    )
+    return not dropout and autocasts_to_bf16(accelerator)
+
+
 class AgentGRPOTrainer(GRPOTrainer):
     """GRPOTrainer + importance-sampling correction with the rollout function's log-probs (`is_correction` /
     `is_cap`: `algorithm.is_correction`, `algorithm.is_cap`; "none" leaves TRL's computation as it is)."""
@@ -221,9 +252,13 @@ class AgentGRPOTrainer(GRPOTrainer):
         budget_spent: Callable[[], bool] = lambda: False,
         take_rows: Callable[[list[dict[str, Any]], Any], list[dict[str, Any]]] | None = None,
         carry_state: Callable[[int], dict[str, list[Any]]] | None = None,
+        skip_adapter_casts: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        # under bf16 autocast the loss's forward skips PEFT's casts of each adapter's input (module docstring);
+        # False keeps them (the reference bench/agent_rollouts.py --peft-casts measures against)
+        self.skip_adapter_casts = skip_adapter_casts
         self.checkpoint_bytes = checkpoint_bytes  # what one rank writes a checkpoint (backends/disk.py's plan)
         self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_rows`)
         self.budget_spent = budget_spent  # the run's time, FLOPs or GPU-seconds budget (a collective)
@@ -381,10 +416,14 @@ class AgentGRPOTrainer(GRPOTrainer):
             self.phase_s["generation"] += time.perf_counter() - start
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's, with the importance weights taken from its forward (`_get_per_token_logps_and_entropies`) and, where
+        that forward autocasts to bf16, without PEFT's casts of each adapter's input (module docstring)."""
         corrects = self.is_correction != "none" and inputs.get("sampling_per_token_logps") is not None
         self._loss_inputs = inputs if corrects and model.training else None
         try:
-            return super()._compute_loss(model, inputs)
+            skip = self.skip_adapter_casts and adapter_casts_undone(model, self.accelerator)
+            with disable_input_dtype_casting(model, active=skip):
+                return super()._compute_loss(model, inputs)
         finally:
             self._loss_inputs = None
 
