@@ -359,6 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             is_cap=algo.is_cap,
             lookahead=args.asynchronous,
             take_rows=rollouts.take if args.carry_over else None,
+            skip_adapter_casts=not args.peft_casts,
         )
         # after GRPOTrainer, which sets the tokenizer's eos there; the policy server reads generation_config's
         model.generation_config.eos_token_id = NO_TOKEN
@@ -451,6 +452,7 @@ def main() -> None:
     parser.add_argument("--partial", action="store_true", help="algorithm.partial_rollouts (with --async)")
     parser.add_argument("--carry-over", action="store_true", help="algorithm.carry_over (with --partial)")
     parser.add_argument("--profile-step", type=int, default=None, help="profile this step (0: the first) by operator")
+    parser.add_argument("--peft-casts", action="store_true", help="the reference: PEFT's adapter input casts kept")
     parser.add_argument("--override", nargs="*", default=[], help="more config overrides, after the bench's own")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--table", nargs="+", type=Path, help="print the table of these result files and exit")
@@ -491,6 +493,7 @@ def main() -> None:
             "prompt_budget": args.prompt_budget,
             "response_budget": args.response_budget,
             "micro_batch": args.micro_batch,
+            "peft_casts": args.peft_casts,  # the reference: PEFT's casts of each adapter's input kept
             "overrides": args.override,
             "call_length": f"lognormal mean {MEAN_LENGTH}, sigma {SIGMA}, cap {MAX_CALL}, seed {args.seed}",
         },
