@@ -36,7 +36,7 @@
 #                profiler's overhead: its time is not the variant's to compare)
 #   own-carry-t64  own-carry at twice the tasks a step (64 x 4, 3 timed steps): twice the rollouts in flight, whether
 #                generation's rate beside the update grows with them (carry-over's step is set by that rate; vLLM
-#                sampled ~104 tokens an engine step of 256 allowed): a probe, not the workload (its step trains 2x)
+#                sampled ~104 tokens an engine step of 256 allowed): a probe, not the workload (not yet run)
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
