@@ -56,10 +56,12 @@ declare -A VARIANT=(
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )
 
-mps() {  # mps start | stop: CUDA MPS's control daemon for this script's processes (pipes under /tmp/mps)
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
+mps() {  # mps start | stop: CUDA MPS's control daemon for this script's processes (pipes under /tmp/mps); its
+  # variables are exported only once it runs, so a variant after a failed start runs without MPS
+  local pipe=/tmp/mps/pipe log=/tmp/mps/log
   if [ "$1" = start ]; then
-    mkdir -p /tmp/mps/pipe /tmp/mps/log && nvidia-cuda-mps-control -d
+    mkdir -p $pipe $log && CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$log nvidia-cuda-mps-control -d &&
+      export CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$log
   else
     echo quit | nvidia-cuda-mps-control
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
