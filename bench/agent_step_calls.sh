@@ -28,6 +28,8 @@
 #   own-carry-gc16-mps  own-carry-mps at micro-batch 16 with gradient checkpointing: a quarter of the micro-batches, so
 #                fewer kernel launches a step (the profiled update kept the GPU busy 49 % of its time, launching ~200k
 #                small kernels), at one more forward a micro-batch; checkpointing lets 16 fit beside vLLM (not yet run)
+#   own-carry-gc8-mps  the same at micro-batch 8: half the micro-batches, a quarter of gc16's logits (a fallback
+#                where 16 does not fit; not yet run)
 #   sync-peft-casts  sync with PEFT's casts of each adapter's input kept under bf16 autocast (--peft-casts): the
 #                reference for the update without them (backends/trl/trainer.py), run beside `sync` (not yet run)
 #   own-sync     synchronous with vLLM in its own process, the second timed step profiled (--profile-step 2): the
@@ -52,6 +54,7 @@ declare -A VARIANT=(
   [own-carry-t64]="--tasks 64 --steps 3 $CARRY"
   [own-carry-mps]="$CARRY"
   [own-carry-gc16-mps]="--micro-batch 16 $CARRY backend.gradient_checkpointing=true"
+  [own-carry-gc8-mps]="--micro-batch 8 $CARRY backend.gradient_checkpointing=true"
   [sync-peft-casts]="--peft-casts --override backend.vllm_gpu_memory_utilization=0.3"
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )
