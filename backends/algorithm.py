@@ -57,6 +57,9 @@ class GRPO:
     # with partial_rollouts: a step trains the groups that finished first (older read-aheads first) and carries the
     # unfinished ones over to later steps, generating on, so its longest rollouts stop setting the step
     carry_over: bool = False
+    # with carry_over: each step adds the groups of the step this many steps on, so a group has that many steps'
+    # time to finish and the engine that many steps' groups to batch (a group trained on time is this many steps old)
+    read_ahead_steps: int = number(1, ge=1)
     # a rollout sampled in part by weights more than this many optimizer steps older than those it trains is
     # excluded (`stale`); None: no bound
     max_staleness: int | None = number(1, ge=0)
@@ -68,9 +71,14 @@ class GRPO:
         if self.carry_over and not self.partial_rollouts:
             raise ValueError("algorithm.carry_over takes the groups finished first from partial rollouts' batches in "
                              "flight; it needs algorithm.partial_rollouts=true")  # fmt: skip
-        if self.carry_over and self.max_staleness is not None and self.max_staleness < 2:
+        if self.read_ahead_steps > 1 and not self.carry_over:
+            raise ValueError(f"algorithm.read_ahead_steps={self.read_ahead_steps}: only algorithm.carry_over reads "
+                             f"more than one step ahead (set 1, or carry_over=true)")  # fmt: skip
+        if self.carry_over and self.max_staleness is not None and self.max_staleness <= self.read_ahead_steps:
             raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.carry_over: a group read "
-                             f"ahead and carried over is two steps old, excluded (set 2 or more, or null)")  # fmt: skip
+                             f"ahead (algorithm.read_ahead_steps={self.read_ahead_steps}) and carried over once is "
+                             f"{self.read_ahead_steps + 1} steps old, excluded (set {self.read_ahead_steps + 1} or "
+                             f"more, or null)")  # fmt: skip
         if self.async_rollouts and self.max_staleness is not None and self.max_staleness < 1:
             raise ValueError(f"algorithm.max_staleness={self.max_staleness} with algorithm.async_rollouts: every batch "
                              f"read ahead is one step old and would be excluded (set 1 or more, or null)")  # fmt: skip

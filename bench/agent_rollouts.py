@@ -184,6 +184,9 @@ def compose(args: argparse.Namespace, cache: Path) -> dict[str, Any]:
         f"algorithm.max_prompt_length={args.prompt_budget}",
         f"algorithm.max_response_length={args.response_budget}",
         f"algorithm.max_steps={run_steps(args)}",
+        f"algorithm.async_rollouts={str(args.asynchronous).lower()}",  # checked with the rest as a run's config
+        f"algorithm.partial_rollouts={str(args.partial).lower()}",
+        f"algorithm.carry_over={str(args.carry_over).lower()}",
         "algorithm.learning_rate=1e-5",
         f"backend.device={args.device}",
         f"backend.generation_engine={args.engine}",
@@ -306,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_staleness=algo.max_staleness,  # as a training run: a rollout staler than that is excluded
             carry_over=args.carry_over,
             group_size=algo.group_size,
+            read_ahead=algo.read_ahead_steps,
         )
 
         def announced(prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -357,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             callbacks=[timer, PhaseLog(), profile],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
-            lookahead=args.asynchronous,
+            lookahead=algo.read_ahead_steps if args.asynchronous else 0,
             take_rows=rollouts.take if args.carry_over else None,
             skip_adapter_casts=not args.peft_casts,
         )

@@ -27,24 +27,29 @@
 #                slices, as two processes' kernels do without it: whether the update and generation slow each other less
 #   own-carry-gc16-mps  own-carry-mps at micro-batch 16 with gradient checkpointing: a quarter of the micro-batches, so
 #                fewer kernel launches a step (the profiled update kept the GPU busy 49 % of its time, launching ~200k
-#                small kernels), at one more forward a micro-batch; checkpointing lets 16 fit beside vLLM (not yet run)
-#   own-carry-gc8-mps  the same at micro-batch 8: half the micro-batches, a quarter of gc16's logits (a fallback
-#                where 16 does not fit; not yet run)
+#                small kernels), at one more forward a micro-batch; checkpointing lets 16 fit beside vLLM
+#   own-carry-gc8-mps  the same at micro-batch 8: half the micro-batches, a quarter of gc16's logits
+#   own-carry-gc16-ra2-mps  own-carry-gc16-mps reading two steps ahead (algorithm.read_ahead_steps=2, max_staleness
+#                3): each group has two steps to finish, and vLLM two steps' groups to batch (gc16's update beside
+#                generation took 10 s, and its steps then alternated 11-13 s and 24-25 s, waiting for groups read
+#                ahead one step before; not yet run); -ra3: three steps (max_staleness 4; not yet run)
 #   sync-peft-casts  sync with PEFT's casts of each adapter's input kept under bf16 autocast (--peft-casts): the
-#                reference for the update without them (backends/trl/trainer.py), run beside `sync` (not yet run)
+#                reference for the update without them (backends/trl/trainer.py), run beside `sync`
 #   own-sync     synchronous with vLLM in its own process, the second timed step profiled (--profile-step 2): the
 #                update's operators and kernels (with the weight sync and the agents' CPU work; generation runs in
 #                vLLM's process), in the JSON's `profile`: where its 9.4 s on an H100 go (that step carries the
 #                profiler's overhead: its time is not the variant's to compare)
 #   own-carry-t64  own-carry at twice the tasks a step (64 x 4, 3 timed steps): twice the rollouts in flight, whether
 #                generation's rate beside the update grows with them (carry-over's step is set by that rate; vLLM
-#                sampled ~104 tokens an engine step of 256 allowed): a probe, not the workload (not yet run)
+#                sampled ~104 tokens an engine step of 256 allowed): a probe, not the workload
 set -u -o pipefail
 export PYTHONPATH=/tmp/proj:/tmp/site:$PWD PYTHONUNBUFFERED=1  # /tmp/proj first: this project pins openai < 3
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 BENCH="bench/agent_rollouts.py --shape qwen25_1_5b --engine vllm --warmup 1 --steps 4 --micro-batch ${MICRO_BATCH:-4}"
-CARRY="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true
-  algorithm.max_staleness=2"  # own-carry's arguments
+OWN_CARRY="--async --partial --carry-over --override backend.vllm_gpu_memory_utilization=0.3
+  backend.vllm_own_process=true"  # own-carry's, less its staleness bound
+CARRY="$OWN_CARRY algorithm.max_staleness=2"  # own-carry's arguments
+GC="backend.gradient_checkpointing=true"
 declare -A VARIANT=(
   [sync]="--override backend.vllm_gpu_memory_utilization=0.3"
   [own]="--async --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
@@ -53,8 +58,10 @@ declare -A VARIANT=(
   [own-carry]="$CARRY"
   [own-carry-t64]="--tasks 64 --steps 3 $CARRY"
   [own-carry-mps]="$CARRY"
-  [own-carry-gc16-mps]="--micro-batch 16 $CARRY backend.gradient_checkpointing=true"
-  [own-carry-gc8-mps]="--micro-batch 8 $CARRY backend.gradient_checkpointing=true"
+  [own-carry-gc16-mps]="--micro-batch 16 $CARRY $GC"
+  [own-carry-gc8-mps]="--micro-batch 8 $CARRY $GC"
+  [own-carry-gc16-ra2-mps]="--micro-batch 16 $OWN_CARRY algorithm.max_staleness=3 algorithm.read_ahead_steps=2 $GC"
+  [own-carry-gc16-ra3-mps]="--micro-batch 16 $OWN_CARRY algorithm.max_staleness=4 algorithm.read_ahead_steps=3 $GC"
   [sync-peft-casts]="--peft-casts --override backend.vllm_gpu_memory_utilization=0.3"
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )

@@ -103,15 +103,15 @@ def agent_trainer(
     out: Path,
     group: int,
     tasks_per_step: int,
-    lookahead: bool,
+    lookahead: int,
     callbacks: list[Any] | None = None,
     take_rows: Callable[..., list[dict[str, Any]]] | None = None,
     save_every: int = 100,
     epochs: int = 2,
 ) -> Any:
     """The GRPO trainer the rollout tests train through: `epochs` over `tasks` on CPU, micro-batches of 2, the
-    rollouts' rewards as they come ("half"), token-truncated IS correction; `lookahead` for asynchronous rollouts,
-    `take_rows` for carry-over, a checkpoint every `save_every` steps (each kept)."""
+    rollouts' rewards as they come ("half"), token-truncated IS correction; `lookahead` (steps read ahead) for
+    asynchronous rollouts, `take_rows` for carry-over, a checkpoint every `save_every` steps (each kept)."""
     from datasets import Dataset
 
     from backends.algorithm import GRPO

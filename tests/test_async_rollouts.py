@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,6 +156,56 @@ def test_each_epochs_order_is_the_one_trls_sampler_draws_in_that_epoch_of_one_pr
         assert list(ours) == uninterrupted[epoch]
     with pytest.raises(ValueError, match="needs a seed"):
         EpochSampler(range(10), mini_repeat_count=2)
+
+
+def trained_order(tasks: int, lookahead: int, max_steps: int, resume_at: int = 0) -> list[tuple[str, ...]]:
+    """The tasks each step trains (one a group), from AgentGRPOTrainer's `get_batch_samples` reading `lookahead` steps
+    ahead, driven as HF's Trainer drives it (its epochs through `_run_epoch`'s epoch setting, a resumed epoch from a
+    loader skipping its trained steps): groups of 2, 2 tasks a step in 2 micro-batches."""
+    group, per_step, micro = 2, 2, 2
+    rows = [{"prompt": f"t{i}"} for i in range(tasks)]
+    sampler = EpochSampler(rows, group, per_step, micro, True, 42)
+    loader = prepare_data_loader(
+        DataLoader(rows, batch_size=group * per_step, sampler=sampler, collate_fn=list),  # type: ignore[arg-type]
+        num_processes=1, process_index=0, put_on_device=False,
+    )  # fmt: skip
+
+    class Reading(AgentGRPOTrainer):
+        def __init__(self) -> None:  # only what get_batch_samples reads
+            self.lookahead, self._ahead, self._sources = lookahead, deque(), {}
+            self._train_dataloader, self._epoch = loader, 0
+            self.state = SimpleNamespace(global_step=resume_at, max_steps=max_steps)
+            self.model_accepts_loss_kwargs, self.compute_loss_func = False, None
+
+    trainer, steps_per_epoch, trained = Reading(), len(loader) // micro, []
+    first_epoch, skipped = divmod(resume_at, steps_per_epoch)
+    for epoch in range(first_epoch, -(-max_steps // steps_per_epoch)):
+        trainer._epoch = epoch
+        trainer._read_epoch(epoch)
+        epoch_loader = skip_first_batches(loader, skipped * micro) if epoch == first_epoch and skipped else loader
+        epoch_loader.set_epoch(epoch)
+        iterator = iter(epoch_loader)
+        for _ in range(skipped if epoch == first_epoch else 0, steps_per_epoch):
+            if trainer.state.global_step >= max_steps:
+                break
+            batches, _ = trainer.get_batch_samples(iterator, micro, "cpu")
+            assert all(batch == batches[0] for batch in batches)  # one generation a step: its micro-batches repeat it
+            trained.append(tuple(row["prompt"] for row in batches[0][::group]))
+            trainer.state.global_step += 1
+    return trained
+
+
+@pytest.mark.parametrize("tasks", [2, 4, 6])  # 1, 2 and 3 steps an epoch
+def test_reading_steps_ahead_trains_the_batches_a_run_reads_without_it_and_resumes_to_them(tasks: int) -> None:
+    """Reading 1 to 3 steps ahead across epochs of 1 to 3 steps, to the run's last step, and resumed at every step
+    (mid-epoch from a skipping loader): the steps train the batches, in the order, of a run reading none ahead."""
+    for max_steps in (5, 7):
+        plain = trained_order(tasks, 0, max_steps)
+        assert len(plain) == max_steps and len(set(plain)) > 1  # the epochs' orders differ
+        for lookahead in (1, 2, 3):
+            assert trained_order(tasks, lookahead, max_steps) == plain
+            for resumed in range(1, max_steps):
+                assert trained_order(tasks, lookahead, max_steps, resume_at=resumed) == plain[resumed:]
 
 
 def test_the_trainer_sets_each_epochs_order_where_accelerates_loader_does_not_pass_it_on() -> None:

@@ -56,13 +56,21 @@ def test_a_run_that_failed_before_any_step_is_only_its_failure(tmp_path: Path) -
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("mode", [["--async"], ["--async", "--partial", "--carry-over"]])
-def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(tmp_path: Path, mode: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("mode", "overrides"),
+    [
+        (["--async"], ["algorithm.max_staleness=2"]),
+        (["--async", "--partial", "--carry-over"], ["algorithm.max_staleness=3", "algorithm.read_ahead_steps=2"]),
+    ],
+)
+def test_the_agent_rollouts_bench_runs_a_step_asynchronously_on_cpu(
+    tmp_path: Path, mode: list[str], overrides: list[str]
+) -> None:
     out = tmp_path / "r.json"
     command = [sys.executable, "bench/agent_rollouts.py", "--shape", "tiny", "--device", "cpu", "--engine", "hf"]
     command += ["--steps", "1", "--warmup", "0", "--tasks", "1", "--group", "2", "--turns", "1", "--micro-batch", "2"]
     command += ["--response-budget", "256", *mode, "--profile-step", "0"]
-    command += ["--out", str(out), "--override", "algorithm.max_staleness=2"]
+    command += ["--out", str(out), "--override", *overrides]
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     result = json.loads(out.read_text())["result"]

@@ -4,8 +4,9 @@ group is taken whole, once; every token keeps the log-prob it was sampled with; 
 `max_staleness` is excluded (`stale`) and counted, never trained; TRL scores and logs the rows the step took.
 
 The pipeline runs on a micro model through AgentGRPOTrainer's own loop with the HF engine: 6 tasks, 2 a step, groups
-of 2, 2 epochs. The first group read ahead straggles: its rollouts send their second call only once a later step's
-weights are loaded, so the steps before it go on without it."""
+of 2, 2 epochs, the groups of the next one or two steps read ahead (`algorithm.read_ahead_steps`). The first group
+read ahead straggles: its rollouts send their second call only once a later step's weights are loaded, so the steps
+before it go on without it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from foundation.errors import ConfigError
 from inference.hf import HFGenerate
 from inference.policy_server import PolicyServer
 from inference.weights import GenerationWeights
-from tests.conftest import HalfReward, agent_trainer, micro_tiny
+from tests.conftest import FAST_RUN, HalfReward, agent_trainer, launch, micro_tiny
 from tests.test_partial_rollouts import TASKS, WAIT_S, until
 
 GROUP, TASKS_PER_STEP, STEPS = 2, 2, 6
@@ -64,6 +65,11 @@ class Watched(AgentRollouts):
         self.takes: list[Take] = []
         self.added: list[tuple[str, int]] = []  # (task, the step it was read ahead for), in the order added
         self.states: list[dict[str, list[Any]]] = []
+        self.read: list[list[str]] = []  # the tasks the Trainer read for each step, one a group
+
+    def take(self, rows: list[dict[str, Any]], trainer: Any) -> list[dict[str, Any]]:
+        self.read.append([json.loads(row["prompt"])["id"] for row in rows[:: self.group_size]])
+        return super().take(rows, trainer)
 
     def _add(self, rows: list[dict[str, Any]], for_step: int, prefetched: bool) -> None:
         for i in range(0, len(rows), self.group_size):
@@ -102,12 +108,24 @@ class Take:
     batch: dict[str, Any]  # what TRL got
 
 
-@pytest.mark.parametrize("straggle_until", [2, 3])
+def epoch_orders(trainer: Any, epochs: int) -> list[list[str]]:
+    """The tasks of each step, one a group, in the order the Trainer's sampler draws them with nothing read ahead."""
+    sampler, steps = trainer._get_train_sampler(trainer.train_dataset), []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        drawn = [TASKS[i]["id"] for i in sampler]
+        block = len(drawn) * TASKS_PER_STEP // len(TASKS)  # one step's draws: its tasks, repeated per micro-batch
+        steps += [list(dict.fromkeys(drawn[i : i + block])) for i in range(0, len(drawn), block)]
+    return steps
+
+
+@pytest.mark.parametrize(("straggle_until", "read_ahead", "max_staleness"), [(2, 1, 2), (3, 1, 2), (3, 2, None)])
 def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
-    tmp_path: Path, straggle_until: int
+    tmp_path: Path, straggle_until: int, read_ahead: int, max_staleness: int | None
 ) -> None:
-    """max_staleness 2: straggling until step 2's weights it trains at step 2; until step 3's, it is excluded."""
-    max_staleness = 2
+    """Reading one step ahead with max_staleness 2: straggling until step 2's weights it trains at step 2; until step
+    3's, it is excluded. Reading two steps ahead, the pool holds more groups done than a step takes, so the straggler
+    goes at the first step that finds it done (step 3 or later): unbounded, it trains however late."""
     spec = micro_tiny(tmp_path / "models")
     source = spec.prepare([t["question"] for t in TASKS] * 10 + ["Why?"] * 10)
     model, tokenizer = spec.load_model(source, "cpu"), spec.load_tokenizer(source)
@@ -126,6 +144,7 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
         max_staleness=max_staleness,
         carry_over=True,
         group_size=GROUP,
+        read_ahead=read_ahead,
     )
     logged = LoggedPrompts()
     trainer = agent_trainer(
@@ -136,7 +155,7 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
         tmp_path / "out",
         GROUP,
         TASKS_PER_STEP,
-        lookahead=True,
+        lookahead=read_ahead,
         callbacks=[logged],
         take_rows=rollouts.take,
     )
@@ -145,8 +164,12 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
     assert trainer.state.global_step == STEPS and agent.came == [True] * GROUP
     (straggler,) = agent.straggler
 
-    # the first step adds its own groups and the next step's; every later step but the last the next step's
-    assert [s for _, s in rollouts.added] == [0, 0] + [step + 1 for step in range(STEPS - 1) for _ in range(2)]
+    # the first step adds its own groups and the next read_ahead steps'; every later step those of the step read_ahead
+    # on, while there is one; the Trainer read each step's tasks in the order it reads them with nothing read ahead
+    first = [step for step in range(read_ahead + 1) for _ in range(TASKS_PER_STEP)]
+    later = [step + read_ahead for step in range(1, STEPS - read_ahead) for _ in range(TASKS_PER_STEP)]
+    assert [s for _, s in rollouts.added] == first + later
+    assert rollouts.read == epoch_orders(trainer, 2)
     # each group read ahead is taken once, whole, by one step: each epoch's tasks once each; nothing left over
     taken = [task for take in rollouts.takes for task in take.tasks]
     assert sorted(taken) == sorted(t for t, _ in rollouts.added) and len(taken) == STEPS * TASKS_PER_STEP
@@ -159,23 +182,25 @@ def test_a_step_trains_the_groups_finished_first_and_carries_a_straggler_over(
     # TRL scored and logged the rows each step took, not the ones the Trainer read for it
     assert logged.steps == [take.generated.prompts for take in rollouts.takes]
 
-    # the steps before straggle_until did not wait for the straggler: it was taken by the step whose weights its
-    # second call waited for, carried over from step 0, its calls sampled by step 0's weights and that step's
+    # the steps before straggle_until did not wait for the straggler: reading one step ahead it was taken by the step
+    # whose weights its second call waited for, carried over from step 0, its calls sampled by step 0's weights and
+    # that step's; reading two ahead, by that step or a later one
     take = next(take for take in rollouts.takes if straggler in take.tasks)
-    assert take.step == straggle_until and take.stats["rollout/carried_over"] == 1 / TASKS_PER_STEP
-    assert take.stats["rollout/staleness"] == straggle_until
+    assert take.step == straggle_until if read_ahead == 1 else take.step >= straggle_until
+    assert take.stats["rollout/carried_over"] >= 1 / TASKS_PER_STEP and take.stats["rollout/staleness"] == take.step
     assert sum(t.stats["rollout/taken_early"] for t in rollouts.takes[:straggle_until]) > 0  # later groups filled in
     # a checkpoint after step 0 would keep the straggler's rows (carried) and the groups step 0 took early
     carried, early = rollouts.states[0]["carried"], rollouts.states[0]["early"]
     assert [json.loads(row["prompt"])["id"] for row in carried] == [straggler] * GROUP
     assert len(early) == rollouts.takes[0].stats["rollout/taken_early"] * TASKS_PER_STEP > 0
-    assert all(json.loads(prompt)["id"] in rollouts.takes[0].tasks for prompt in early)
-    first = take.tasks.index(straggler) * GROUP
-    straggled = range(first, first + GROUP)
+    assert all(json.loads(prompt)["id"] in rollouts.takes[0].tasks and 0 < s <= read_ahead for s, prompt in early)
+    start = take.tasks.index(straggler) * GROUP
+    straggled = range(start, start + GROUP)
     for i in straggled:
-        assert [c.weights_version for c in take.generated.records[i]] == [0, straggle_until]
+        first_call, second_call = (c.weights_version for c in take.generated.records[i])
+        assert first_call == 0 and straggle_until <= second_call <= take.step
     # within the bound the straggler trains as sampled; beyond it, it is excluded (stale) and counted, never trained
-    expected = None if max_staleness >= straggle_until else "stale"
+    expected = None if max_staleness is None or max_staleness >= take.step else "stale"
     assert [take.samples[i].excluded for i in straggled] == [expected] * GROUP
     assert take.stats["rollout/excluded_stale_rate"] == (0.0 if expected is None else 1 / TASKS_PER_STEP)
     for t in rollouts.takes:  # token-exact: what TRL trains is the sampled calls' tokens, with their log-probs
@@ -196,6 +221,13 @@ def test_carry_over_needs_partial_rollouts_and_a_bound_that_keeps_a_group_carrie
         GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True)
     assert GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=2).carry_over
     assert GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=None).carry_over
+    with pytest.raises(ValueError, match=r"algorithm\.max_staleness=2 with algorithm\.carry_over.*set 3 or more"):
+        GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=2, read_ahead_steps=2)
+    assert GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=3, read_ahead_steps=2)
+    with pytest.raises(ValueError, match=r"algorithm\.read_ahead_steps=2: only algorithm\.carry_over"):
+        GRPO(async_rollouts=True, partial_rollouts=True, max_staleness=3, read_ahead_steps=2)
+    with pytest.raises(ValueError, match="only carry-over"):
+        AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, read_ahead=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="partial"):
         AgentRollouts(None, None, None, {}, 8, asynchronous=True, carry_over=True)  # type: ignore[arg-type]
     algo = GRPO(async_rollouts=True, partial_rollouts=True, carry_over=True, max_staleness=2, group_size=8,
@@ -241,7 +273,7 @@ def test_a_saving_step_asks_only_for_groups_read_ahead_for_it_or_earlier(monkeyp
     done: Future[Generated] = Future()
     done.set_result(Generated(["a"], [], [], 1.0, True))
     monkeypatch.setattr(rollouts, "_load", lambda trainer: 0.0)
-    monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step: None)
+    monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step, ahead=1: None)
     monkeypatch.setattr(rollouts, "_add", lambda rows, for_step, prefetched: None)
     monkeypatch.setattr(
         rollouts,
@@ -259,13 +291,16 @@ def test_a_resumed_run_trains_the_groups_carried_at_the_stop_and_not_those_train
 ) -> None:
     """The checkpoint after step 2 keeps task c's group carried (read ahead for step 2, not trained) and task b's
     trained early, not d's (read ahead for step 3, generating); the resumed run's first step (3) reads a and b: its
-    pool is c's group first, then a's, and neither b's nor d's is generated twice."""
+    pool is c's group first, then a's, and neither b's nor d's is generated twice. Reading two steps ahead, e's group
+    was trained early too (read ahead for step 4): step 4 reads e and f, and only f's is added, by the resumed run's
+    first step reading two steps ahead, or its next step reading one; a checkpoint after step 3 still keeps e's."""
     added: list[list[str]] = []
+    step_4 = [{"prompt": "e"}, {"prompt": "e"}, {"prompt": "f"}, {"prompt": "f"}]
 
     def carrying(**kwargs: Any) -> AgentRollouts:
         rollouts = AgentRollouts(None, None, None, {}, 8, asynchronous=True, partial=True, carry_over=True, **kwargs)  # type: ignore[arg-type]
         monkeypatch.setattr(rollouts, "_load", lambda trainer: 0.0)
-        monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step: None)
+        monkeypatch.setattr(rollouts, "_upcoming_rows", lambda trainer, step, ahead=1: step_4 if ahead == 1 else None)
         monkeypatch.setattr(rollouts, "_submit", submit)
         return rollouts
 
@@ -280,19 +315,28 @@ def test_a_resumed_run_trains_the_groups_carried_at_the_stop_and_not_those_train
         Group([{"prompt": "c"}] * 2, 2, InFlight(["c"] * 2, Future())),
         Group([{"prompt": "d"}] * 2, 3, InFlight(["d"] * 2, Future())),
     ]
-    stopped._early = ["b"]
+    stopped._early = [(3, "b"), (4, "e")]
     write_carry_state(tmp_path / "checkpoint-3", stopped.carry_state(2))  # after step 2 (0-based): checkpoint-3
     kept = read_carry_state(str(tmp_path / "checkpoint-3"))
-    assert kept == {"carried": [{"prompt": "c"}] * 2, "early": ["b"]}
+    assert kept == {"carried": [{"prompt": "c"}] * 2, "early": [[3, "b"], [4, "e"]]}
     assert read_carry_state(str(tmp_path)) is None  # a checkpoint of a run without carry-over
 
     resumed = carrying(group_size=2)
     resumed.resume(kept)
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=3), args=SimpleNamespace(save_steps=100))
     rows = resumed.take([{"prompt": "a"}, {"prompt": "a"}, {"prompt": "b"}, {"prompt": "b"}], trainer)
-    assert added == [["c", "c"], ["a", "a"]]  # b's group is not generated again
+    assert added == [["c", "c"], ["a", "a"], ["f", "f"]]  # neither b's nor e's group is generated again
     assert rows == [{"prompt": "c"}] * 2 + [{"prompt": "a"}] * 2
     assert resumed._taken is not None and resumed._taken.timings["rollout/carried_over"] == 0.5
+    assert [4, "e"] in resumed.carry_state(3)["early"]  # a second resume, from step 3's checkpoint, skips it too
+
+    added.clear()
+    two_ahead = carrying(group_size=2, read_ahead=2)
+    two_ahead.resume(kept)
+    two_ahead.take([{"prompt": "a"}, {"prompt": "a"}, {"prompt": "b"}, {"prompt": "b"}], trainer)
+    assert added == [["c", "c"], ["a", "a"], ["f", "f"]]  # neither b's nor e's group generated again
+    assert two_ahead._read_ahead == {4: ["e", "e", "f", "f"]}  # step 4's rows are checked against the ones read
+    assert [4, "e"] in two_ahead.carry_state(3)["early"]
 
     other = carrying(group_size=2)  # the data's order after the resume differs: said, the step goes on
     other.resume({"carried": [], "early": ["z"]})
@@ -322,3 +366,24 @@ def test_a_checkpoint_has_its_carry_over_state_before_it_is_complete(tmp_path: P
         patch.setattr(GRPOTrainer, "_save_checkpoint", trainer_files)
         Saving()._save_checkpoint(None, None)
     assert order == ["state after step 3", "trainer files, carry state written: True"]
+
+
+@pytest.mark.integration
+def test_a_run_reading_two_steps_ahead_trains_through_launch_and_checkpoints_what_it_took_early(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """`python launch.py` with carry-over reading two steps ahead: 4 steps, a checkpoint every second (its take
+    bounded to its own step); step 0 trains its own groups, every later step groups read ahead at an earlier one."""
+    run = tmp_path / "run"
+    args = [*FAST_RUN, "algorithm.async_rollouts=true", "algorithm.partial_rollouts=true", "algorithm.carry_over=true"]
+    args += ["algorithm.read_ahead_steps=2", "algorithm.max_staleness=3", "algorithm.max_steps=4"]
+    args += ["algorithm.save_every=2", "algorithm.keep_checkpoints=2", f"hydra.run.dir={run}"]
+    result = launch(args, cache_dir, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    grpo = json.loads((run / "summary.json").read_text())["grpo"]
+    assert (grpo["steps"], grpo["carry_over"], grpo["groups_dropped"]) == (4, True, 0)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][1:]
+    staleness = [m["rollout/staleness"] for m in metrics]
+    assert staleness[0] == 0 and all(1 <= s <= 3 for s in staleness[1:]), staleness
+    for step in (2, 4):  # each checkpoint keeps its groups in flight
+        assert read_carry_state(str(run / "checkpoints" / f"checkpoint-{step}")) is not None

@@ -120,6 +120,7 @@ class GRPOArm:
             max_staleness=algo.max_staleness,
             carry_over=algo.carry_over,
             group_size=algo.group_size,
+            read_ahead=algo.read_ahead_steps,
         )
         train_s = 0.0
         if ctx.resume_from is not None:  # the budgets count the training before the restart
@@ -137,7 +138,7 @@ class GRPOArm:
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             accept_reward=self.accept_reward,
-            lookahead=overlap,  # the next step's prompts, for the rollouts generated during this step's update
+            lookahead=algo.read_ahead_steps if overlap else 0,  # the prompts of the steps generating ahead
             checkpoint_bytes=None if setup.disk_plan is None else setup.disk_plan["checkpoint_bytes_per_rank"],
             budget_spent=clock.spent,  # a resumed run spent before its restart trains no step
             take_rows=rollouts.take if algo.carry_over else None,

@@ -101,7 +101,7 @@ def without_groups(rows: list[dict[str, Any]], prompts: list[Any], group_size: i
         else:
             kept += group
     if left:  # the data's order after a resume is not the one read ahead before: they may train again
-        log.warning("carry-over: %d groups trained early before the resume are not among its first step's", len(left))
+        log.warning("carry-over: %d groups trained early before the resume are not among their step's rows", len(left))
     return kept
 
 
@@ -164,11 +164,14 @@ class AgentRollouts:
         max_staleness: int | None = None,
         carry_over: bool = False,
         group_size: int = 1,
+        read_ahead: int = 1,
     ) -> None:
         if partial and not asynchronous:
             raise ValueError("partial rollouts are asynchronous rollouts whose batch in flight spans a weight load")
         if carry_over and not partial:
             raise ValueError("carry-over takes the groups finished first from partial rollouts' batches in flight")
+        if read_ahead != 1 and not carry_over:
+            raise ValueError(f"read_ahead={read_ahead}: only carry-over reads more than one step ahead")
         self.agent = agent
         self.reward = reward
         self.server = server
@@ -198,9 +201,12 @@ class AgentRollouts:
         self.carry_over = carry_over
         self.group_size = group_size  # rollouts per task: a group is taken whole or not at all
         self._pool: list[Group] = []  # carry-over: the groups in flight or done and not yet taken, oldest first
-        self._read_ahead: tuple[int, list[Any]] | None = None  # carry-over: the step read ahead for, its prompts
+        # algorithm.read_ahead_steps (carry-over): each take adds the groups of the step this many steps on
+        self.read_ahead = read_ahead
+        self._read_ahead: dict[int, list[Any]] = {}  # carry-over: the steps whose groups are in the pool, their prompts
         self._taken: Taken | None = None
-        self._early: list[Any] = []  # carry-over: the last take's groups read ahead for the next step (one prompt each)
+        # carry-over: groups trained before the step they were read ahead for, as (that step, its prompt)
+        self._early: list[tuple[int, Any]] = []
         self._resumed: dict[str, list[Any]] | None = None  # carry-over: `carry_state` of the checkpoint resumed from
         self.dropped = 0  # carry-over: groups read ahead that no step of this run took (a resumed run makes them anew)
 
@@ -235,7 +241,8 @@ class AgentRollouts:
         asks the rollout function for them. The step's weights load (rollouts in flight go on under them), the next
         step's groups start, and then the step takes as many whole groups as `rows` holds: the first to finish, and
         of those the ones read ahead for the earliest steps. The others carry over, generating on under every later
-        load; `algorithm.max_staleness` excludes a rollout carried too long. Each group read ahead is taken once."""
+        load; `algorithm.max_staleness` excludes a rollout carried too long. Each group read ahead is taken once. The
+        pool holds the groups of the next `read_ahead` steps besides this one's and those carried."""
         start = time.perf_counter()
         step = trainer.state.global_step
         if len(rows) % self.group_size:
@@ -244,21 +251,30 @@ class AgentRollouts:
             self.memory.sample()  # the end of the previous update (without NVML, its only sample)
             self.memory.phase = "rollout"
         weight_sync_s = self._load(trainer)  # every step, on every rank: a collective when sharded
-        if self._read_ahead is None or self._read_ahead[0] != step:  # nothing read ahead: the first, or a resume
+        if step not in self._read_ahead:  # nothing read ahead for it: the first step, or a resume
             resumed, self._resumed = self._resumed or {"carried": [], "early": []}, None
+            # [step, prompt] pairs; a bare prompt (a checkpoint written before read_ahead) is for the first step
+            self._early = [(e[0], e[1]) if isinstance(e, list) else (step, e) for e in resumed["early"]]
             self._add(resumed["carried"], step - 1, prefetched=False)  # carried over at the stop: first in the pool
-            self._add(without_groups(rows, resumed["early"], self.group_size), step, prefetched=False)
-        elif [r["prompt"] for r in rows] != self._read_ahead[1]:
+            for ahead in range(self.read_ahead):  # this step's groups, then those of the steps read ahead before it
+                later = rows if ahead == 0 else self._upcoming_rows(trainer, step, ahead)
+                if later is None:
+                    break
+                self._read_ahead[step + ahead] = [r["prompt"] for r in later]
+                self._add(self._untrained(later, step + ahead), step + ahead, prefetched=ahead > 0)
+        if [r["prompt"] for r in rows] != self._read_ahead.pop(step):
             raise RuntimeError(f"carry-over: step {step}'s rows are not the ones read ahead for it")
-        upcoming = self._upcoming_rows(trainer, step)
-        self._read_ahead = None if upcoming is None else (step + 1, [r["prompt"] for r in upcoming])
+        upcoming = self._upcoming_rows(trainer, step, self.read_ahead)
         if upcoming is not None:
-            self._add(upcoming, step + 1, prefetched=True)
+            self._read_ahead[step + self.read_ahead] = [r["prompt"] for r in upcoming]
+            self._add(self._untrained(upcoming, step + self.read_ahead), step + self.read_ahead, prefetched=True)
         # a step that saves a checkpoint trains this step's groups and those carried, none read ahead: the pool then
-        # holds only the next step's, which a run resumed from the checkpoint generates anew (nothing twice or lost)
+        # holds the later steps' groups, which a run resumed from the checkpoint generates anew (nothing twice or lost;
+        # with read_ahead > 1 also groups of this step or earlier left over, which the checkpoint keeps as carried)
         saves = (step + 1) % trainer.args.save_steps == 0
         groups = self._first_done(len(rows) // self.group_size, None if not saves else step)
-        self._early = [g.rows[0]["prompt"] for g in groups if g.for_step > step]
+        self._early = [(s, p) for s, p in self._early if s > step]
+        self._early += [(g.for_step, g.rows[0]["prompt"]) for g in groups if g.for_step > step]
         if self.memory is not None:
             self.memory.phase = "update"
         generated = merged([g.inflight.wait() for g in groups])
@@ -277,23 +293,29 @@ class AgentRollouts:
         )
         return [dict(row) for g in groups for row in g.rows]
 
+    def _untrained(self, rows: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        """Step `step`'s rows less the groups trained early for it: before a resume, or before one it resumed from
+        (each kept until that step, so every checkpoint between has it)."""
+        trained = [prompt for for_step, prompt in self._early if for_step == step]
+        return without_groups(rows, trained, self.group_size) if trained else rows
+
     def carry_state(self, step: int) -> dict[str, list[Any]]:
         """Carry-over's part of the checkpoint after optimizer step `step` (0-based): the rows of the groups carried
-        over (read ahead for it or earlier, not yet trained), and the prompts of the groups trained early (read
-        ahead for the next step). A run resumed from it (`resume`) trains the former and not the latter again."""
+        over (read ahead for it or earlier, not yet trained), and the groups trained early (read ahead for later
+        steps) as [step, prompt]. A run resumed from it (`resume`) trains the former and not the latter again."""
         carried = [row for g in self._pool if g.for_step <= step for row in g.rows]
-        return {"carried": carried, "early": list(self._early)}
+        return {"carried": carried, "early": [[s, p] for s, p in self._early if s > step]}
 
     def resume(self, state: dict[str, list[Any]]) -> None:
-        """Resuming from a checkpoint with `carry_state` `state`: its first step's pool is the groups carried then
-        and its own rows less those trained early."""
+        """Resuming from a checkpoint with `carry_state` `state`: its first step's pool is the groups carried then,
+        and its own rows and those of the steps read ahead less those trained early."""
         self._resumed = state
 
-    def _upcoming_rows(self, trainer: Any, step: int) -> list[dict[str, Any]] | None:
-        """The next step's rows where they are read ahead; None in the last step and once a stop signal came
-        (alike on every rank: the step count, the data, and the signal gathered)."""
-        last = step + 1 >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
-        return None if last else trainer.upcoming_rows()
+    def _upcoming_rows(self, trainer: Any, step: int, ahead: int = 1) -> list[dict[str, Any]] | None:
+        """The rows of the step `ahead` steps after `step` where they are read ahead; None past the last step and once
+        a stop signal came (alike on every rank: the step count, the data, and the signal gathered)."""
+        last = step + ahead >= trainer.state.max_steps or on_any_rank(stop_requested() is not None)
+        return None if last else trainer.upcoming_rows(ahead)
 
     def _add(self, rows: list[dict[str, Any]], for_step: int, prefetched: bool) -> None:
         """`rows`' groups into the pool, each generating on its own (rollouts numbered in the rows' order)."""
@@ -306,7 +328,7 @@ class AgentRollouts:
     def _first_done(self, wanted: int, up_to: int | None = None) -> list[Group]:
         """The `wanted` groups of the pool that finished first, taken out of it in the pool's order (older
         read-aheads first): waits until that many are done (a failed group is done; its error comes on `wait`).
-        `up_to`: only groups read ahead for that step or earlier (there are `wanted` of them)."""
+        `up_to`: only groups read ahead for that step or earlier (there are at least `wanted` of them)."""
         pool = [g for g in self._pool if up_to is None or g.for_step <= up_to]
         if len(pool) < wanted:
             raise RuntimeError(f"{len(pool)} groups in flight for a step of {wanted}: each step adds its own")

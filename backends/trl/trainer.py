@@ -52,7 +52,7 @@ import json
 import logging
 import shutil
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,7 +247,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         is_correction: str = "none",
         is_cap: float = 2.0,
         accept_reward: float | None = None,
-        lookahead: bool = False,
+        lookahead: int = 0,
         checkpoint_bytes: int | None = None,
         budget_spent: Callable[[], bool] = lambda: False,
         take_rows: Callable[[list[dict[str, Any]], Any], list[dict[str, Any]]] | None = None,
@@ -260,7 +260,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         # False keeps them (the reference bench/agent_rollouts.py --peft-casts measures against)
         self.skip_adapter_casts = skip_adapter_casts
         self.checkpoint_bytes = checkpoint_bytes  # what one rank writes a checkpoint (backends/disk.py's plan)
-        self.lookahead = lookahead  # read each optimizer step's batches one step early (`upcoming_rows`)
+        self.lookahead = lookahead  # read the batches of the next this many optimizer steps early (`upcoming_rows`)
         self.budget_spent = budget_spent  # the run's time, FLOPs or GPU-seconds budget (a collective)
         # algorithm.carry_over: the rows a training step trains, chosen before TRL generates for them
         # (`AgentRollouts.take`); None: the rows the Trainer read for it
@@ -271,10 +271,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         if self.num_iterations != 1 or not one_generation_a_step:  # the loss's forward scores, batches by length
             raise ValueError("one generation per optimizer step, trained once (num_iterations 1, "
                              "steps_per_generation = gradient_accumulation_steps)")  # fmt: skip
-        # the next step's batches, read ahead: (the Trainer's epoch iterator they are for, or None for the next epoch's
-        # iterator not created yet; the batches; the iterator read from)
-        self._next_batches: tuple[Any, list[Any], Any] | None = None
-        self._read_from: dict[Any, Any] = {}  # a Trainer's epoch iterator -> ours that stands in for it
+        self._ahead: deque[tuple[int, list[Any]]] = deque()  # the next steps' batches read ahead, with their epoch
+        self._sources: dict[int, Any] = {}  # each epoch's iterator read from: the Trainer's, or ours made ahead of it
         self._train_dataloader: Any = None  # the Trainer's, whose next epoch's iterator is read ahead
         self._epoch = 0  # the epoch the Trainer runs
         self.is_correction = is_correction
@@ -341,38 +339,41 @@ class AgentGRPOTrainer(GRPOTrainer):
             self._train_dataloader.set_epoch(epoch)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        """The Trainer's batches of this optimizer step; with `lookahead`, the next step's are read now as well and
-        kept for it, in the order the Trainer reads them: nothing is sampled twice or skipped. At an epoch's end the
-        next epoch's first batches come from an iterator of the Trainer's dataloader made now, which then stands in
-        for the one the Trainer makes for that epoch (that one is never read: its sampler draws the same order)."""
+        """The Trainer's batches of this optimizer step; with `lookahead` N, the next N steps' are read now as well (as
+        many as the run has left) and kept for them, in the order the Trainer reads them: nothing is sampled twice or
+        skipped. At an epoch's end the next epoch's batches come from an iterator of the Trainer's dataloader made
+        now, which then stands in for the one the Trainer makes for that epoch (that one is never read: its sampler
+        draws the same order)."""
         if not self.lookahead:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        kept, self._next_batches = self._next_batches, None
-        if kept is not None and kept[0] is None and epoch_iterator not in self._read_from:  # the epoch read ahead
-            self._read_from = {epoch_iterator: kept[2]}
-            kept = (epoch_iterator, kept[1], kept[2])
-        source = self._read_from.get(epoch_iterator, epoch_iterator)
-        if kept is not None and kept[0] is epoch_iterator:
-            batches = kept[1]
-            if len(batches) != num_batches:  # GRPO's epochs are whole steps (TRL's RepeatSampler)
-                raise RuntimeError(f"read {len(batches)} batches ahead for a step of {num_batches}")
-        else:  # the first step (of a run, or of an epoch that nothing read ahead)
-            batches, _ = super().get_batch_samples(source, num_batches, device)
-        if self.state.global_step + 1 < self.state.max_steps:  # a step comes after this one
-            upcoming, _ = super().get_batch_samples(source, num_batches, device)
-            if upcoming:
-                self._next_batches = (epoch_iterator, upcoming, source)
-            elif self._train_dataloader is not None:  # this epoch's last step: the next epoch's first
-                self._read_epoch(self._epoch + 1)  # its order, as the Trainer sets it for that epoch
-                following = iter(self._train_dataloader)
-                upcoming, _ = super().get_batch_samples(following, num_batches, device)
-                self._next_batches = (None, upcoming, following) if upcoming else None
+        self._sources = {e: it for e, it in self._sources.items() if e >= self._epoch}
+        self._sources.setdefault(self._epoch, epoch_iterator)  # an epoch nothing read ahead: the Trainer's iterator
+        if self._ahead:
+            epoch, batches = self._ahead.popleft()
+            if epoch != self._epoch or len(batches) != num_batches:  # GRPO's epochs are whole steps (RepeatSampler)
+                raise RuntimeError(f"read {len(batches)} batches of epoch {epoch} ahead for a step of {num_batches} "
+                                   f"in epoch {self._epoch}")  # fmt: skip
+        else:  # the first step (of a run, or a resumed one)
+            batches, _ = super().get_batch_samples(self._sources[self._epoch], num_batches, device)
+        steps_after = self.state.max_steps - self.state.global_step - 1  # the steps that come after this one
+        while len(self._ahead) < min(self.lookahead, steps_after):
+            epoch = self._ahead[-1][0] if self._ahead else self._epoch
+            upcoming, _ = super().get_batch_samples(self._sources[epoch], num_batches, device)
+            if not upcoming and self._train_dataloader is not None:  # that epoch's end: the next epoch's first
+                epoch += 1
+                self._read_epoch(epoch)  # its order, as the Trainer sets it for that epoch
+                self._sources[epoch] = iter(self._train_dataloader)
+                upcoming, _ = super().get_batch_samples(self._sources[epoch], num_batches, device)
+            if not upcoming:
+                break
+            self._ahead.append((epoch, upcoming))
         return batches, self._get_num_items_in_batch(batches, device)
 
-    def upcoming_rows(self) -> list[dict[str, Any]] | None:
-        """The dataset rows the next optimizer step generates for (this rank's share), None where not read ahead (the
-        last step; without `lookahead`). One generation a step: its first micro-batch holds them all."""
-        return None if self._next_batches is None else list(self._next_batches[1][0])
+    def upcoming_rows(self, ahead: int = 1) -> list[dict[str, Any]] | None:
+        """The dataset rows the optimizer step `ahead` steps after this one generates for (this rank's share), None
+        where not read ahead (past the last step; beyond `lookahead`). One generation a step: its first micro-batch
+        holds them all."""
+        return list(self._ahead[ahead - 1][1][0]) if 0 < ahead <= len(self._ahead) else None
 
     def _clip_grad_norm(self, model: Any) -> Any:
         grad_norm = super()._clip_grad_norm(model)
