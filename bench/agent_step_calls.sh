@@ -32,7 +32,9 @@
 #   own-carry-gc16-ra2-mps  own-carry-gc16-mps reading two steps ahead (algorithm.read_ahead_steps=2, max_staleness
 #                3): each group has two steps to finish, and vLLM two steps' groups to batch (gc16's update beside
 #                generation took 10 s, and its steps then alternated 11-13 s and 24-25 s, waiting for groups read
-#                ahead one step before; not yet run); -ra3: three steps (max_staleness 4; not yet run)
+#                ahead one step before; not yet run); -ra3: three steps (max_staleness 4; not yet run); -ra2-kv40: two
+#                steps with vLLM at 0.4 of the GPU, where more groups in flight outgrow 0.3's KV cache (~700,000
+#                tokens by my estimate; gc16 peaked at 40 of 80 GiB in use; not yet run)
 #   sync-peft-casts  sync with PEFT's casts of each adapter's input kept under bf16 autocast (--peft-casts): the
 #                reference for the update without them (backends/trl/trainer.py), run beside `sync`
 #   own-sync     synchronous with vLLM in its own process, the second timed step profiled (--profile-step 2): the
@@ -62,6 +64,9 @@ declare -A VARIANT=(
   [own-carry-gc8-mps]="--micro-batch 8 $CARRY $GC"
   [own-carry-gc16-ra2-mps]="--micro-batch 16 $OWN_CARRY algorithm.max_staleness=3 algorithm.read_ahead_steps=2 $GC"
   [own-carry-gc16-ra3-mps]="--micro-batch 16 $OWN_CARRY algorithm.max_staleness=4 algorithm.read_ahead_steps=3 $GC"
+  [own-carry-gc16-ra2-kv40-mps]="--micro-batch 16 --async --partial --carry-over --override
+    backend.vllm_gpu_memory_utilization=0.4 backend.vllm_own_process=true algorithm.max_staleness=3
+    algorithm.read_ahead_steps=2 $GC"
   [sync-peft-casts]="--peft-casts --override backend.vllm_gpu_memory_utilization=0.3"
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"
 )
