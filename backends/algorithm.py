@@ -103,6 +103,12 @@ class GRPO:
         """The next step's rollouts generate during this step's update (`async_rollouts`, for arms with rollouts)."""
         return self.async_rollouts
 
+    @property
+    def steps_read_ahead(self) -> int:
+        """Optimizer steps whose batches the Trainer reads before their turn: `read_ahead_steps` where rollouts
+        generate ahead (`overlapped`), else none."""
+        return self.read_ahead_steps if self.overlapped else 0
+
     def sampling(self, temperature: float) -> dict[str, float | int]:
         """What each LLM call of a rollout asks for."""
         params: dict[str, float | int] = {"temperature": temperature}

@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             callbacks=[timer, PhaseLog(), profile],
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
-            lookahead=algo.read_ahead_steps if args.asynchronous else 0,
+            lookahead=algo.steps_read_ahead,  # the config's algorithm.async_rollouts is --async
             take_rows=rollouts.take if args.carry_over else None,
             skip_adapter_casts=not args.peft_casts,
         )

@@ -64,8 +64,7 @@ declare -A VARIANT=(
   [own-carry-gc8-mps]="--micro-batch 8 $CARRY $GC"
   [own-carry-gc16-ra2-mps]="--micro-batch 16 $OWN_CARRY algorithm.max_staleness=3 algorithm.read_ahead_steps=2 $GC"
   [own-carry-gc16-ra3-mps]="--micro-batch 16 $OWN_CARRY algorithm.max_staleness=4 algorithm.read_ahead_steps=3 $GC"
-  [own-carry-gc16-ra2-kv40-mps]="--micro-batch 16 --async --partial --carry-over --override
-    backend.vllm_gpu_memory_utilization=0.4 backend.vllm_own_process=true algorithm.max_staleness=3
+  [own-carry-gc16-ra2-kv40-mps]="--micro-batch 16 ${OWN_CARRY/=0.3/=0.4} algorithm.max_staleness=3
     algorithm.read_ahead_steps=2 $GC"
   [sync-peft-casts]="--peft-casts --override backend.vllm_gpu_memory_utilization=0.3"
   [own-sync]="--profile-step 2 --override backend.vllm_gpu_memory_utilization=0.3 backend.vllm_own_process=true"

@@ -138,7 +138,7 @@ class GRPOArm:
             is_correction=algo.is_correction,
             is_cap=algo.is_cap,
             accept_reward=self.accept_reward,
-            lookahead=algo.read_ahead_steps if overlap else 0,  # the prompts of the steps generating ahead
+            lookahead=algo.steps_read_ahead,  # the prompts of the steps generating ahead
             checkpoint_bytes=None if setup.disk_plan is None else setup.disk_plan["checkpoint_bytes_per_rank"],
             budget_spent=clock.spent,  # a resumed run spent before its restart trains no step
             take_rows=rollouts.take if algo.carry_over else None,
