@@ -226,6 +226,11 @@ def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: 
         },
         "rollouts_per_s": rollouts / step_s,
         "model_tokens_per_s": tokens / step_s,
+        # sampler vs trainer, each step: backend=trl's and from_update's mean IS ratio before truncation; verl's
+        # decoupled mode logs its truncated weights' mean
+        "is_ratio_by_step": [
+            {k: m[k] for k in ("sampling/is_ratio/mean", "rollout_corr/rollout_is_mean") if k in m} for m in steps
+        ],
         # the most any rank's GPU had in use so far, per phase, as each step logged it (gpu_memory/*)
         "gpu_memory_by_step": [{k: v for k, v in m.items() if k.startswith("gpu_memory/")} for m in steps],
         "peak_gpu_memory_gb_per_rank": results.get("peak_gpu_memory_gb_per_rank"),

@@ -319,3 +319,29 @@ def test_a_step_where_every_rollout_is_excluded_updates_nothing_and_says_so(tmp_
     metrics = trainer._update_actor(batch).meta_info["metrics"]
     assert metrics["train/update_skipped"] == 1.0 and metrics["rollout/excluded_rate"] == 1.0
     assert math.isnan(metrics["train/reward_mean"]) and math.isnan(metrics["rollout/model_tokens_mean"])
+
+
+def test_a_trained_steps_log_has_the_from_update_losss_sampling_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`backend.old_log_probs=from_update`: the loss's token sums, as verl's actor returns them, become the step's
+    `sampling/*` metrics beside `step_metrics`, and leave verl's."""
+    from verl.protocol import DataProto
+    from verl.utils.metric import Metric
+
+    batch = two_turn_batch(tmp_path, ["r0", "r1"], ["A", "A"])
+    batch.batch["token_level_scores"] = batch.batch["rm_scores"]
+    sums = {"tokens": [10.0, 30.0], "diff": [1.0, 1.0], "ratio": [10.0, 30.5], "over": [0.0, 2.0]}  # 2 micro-batches
+    verls = {f"actor/is_sums/{key}": Metric("mean") for key in sums}  # one rank's, as verl's actor returns them
+    for key, values in sums.items():
+        verls[f"actor/is_sums/{key}"].extend(values)
+    monkeypatch.setattr(
+        RayPPOTrainer, "_update_actor", lambda self, b: DataProto.from_single_dict({}, meta_info={"metrics": verls})
+    )
+    trainer = runner.FailClosedTrainer.__new__(runner.FailClosedTrainer)
+    metrics = trainer._update_actor(batch).meta_info["metrics"]
+    assert not any(key.startswith("actor/is_sums/") for key in metrics)
+    assert metrics["sampling/is_ratio/mean"] == pytest.approx(40.5 / 40)
+    assert metrics["sampling/is_ratio/clipped_frac"] == pytest.approx(2 / 40)
+    assert metrics["sampling/logp_diff/mean"] == pytest.approx(2 / 40)
+    assert metrics["train/update_skipped"] == 0.0 and metrics["rollout/excluded_rate"] == 0.0

@@ -33,6 +33,7 @@ def step(n: int, step_s: float, update_gb: float) -> dict[str, float]:
         "rollout/excluded_rate": 0.25,
         "gpu_memory/peak_gb": update_gb,
         "gpu_memory/update_peak_gb": update_gb,
+        "sampling/is_ratio/mean": 1.0 + n / 1000,
     }
 
 
@@ -47,6 +48,7 @@ def test_a_run_that_failed_after_its_steps_keeps_them_beside_the_failure(tmp_pat
     assert failed["rollouts_per_s"] == 64 / 21.0
     assert failed["model_tokens_per_s"] == 100.0 * 64 * 0.75 / 21.0  # the excluded rollouts' tokens not counted
     assert [m["gpu_memory/peak_gb"] for m in failed["gpu_memory_by_step"]] == [60.0, 70.0, 71.0]
+    assert failed["is_ratio_by_step"] == [{"sampling/is_ratio/mean": 1.0 + n / 1000} for n in (1, 2, 3)]
 
 
 def test_a_run_that_failed_before_any_step_is_only_its_failure(tmp_path: Path) -> None:

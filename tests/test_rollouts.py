@@ -23,6 +23,7 @@ from agent.rollout import Rollout, run_rollouts
 from agent.trajectory import Trajectory
 from backends.algorithm import GRPO, LOSS_TYPES, RFT
 from backends.compute import ComputeCount
+from backends.importance import importance_weights
 from backends.samples import check_stats
 from backends.trl.arms import passthrough_reward
 from backends.trl.backend import TRLBackend
@@ -32,7 +33,6 @@ from backends.trl.rollouts import AgentRollouts, task_prompt
 from backends.trl.trainer import (
     AgentGRPOTrainer,
     drop_nonfinite_gradients,
-    importance_weights,
     trimmed,
 )
 from inference import Engine, StaticGenerate

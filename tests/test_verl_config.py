@@ -47,6 +47,8 @@ def test_validate_writes_verls_inputs_and_config_from_ours(tmp_path: Path) -> No
     rollout = config.actor_rollout_ref.rollout
     assert rollout.n == 8 and rollout.logprobs_mode == "processed_logprobs" and rollout.calculate_log_probs
     assert rollout.agent.default_agent_loop == "arl_agent" and config.trainer.use_v1 is False
+    # backend.old_log_probs=recompute (the default): verl's decoupled mode, its own loss
+    assert correction.bypass_mode is False and config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
     # each validation's rollouts dumped where backends/verl/train.py reads each question's score back
     assert Path(config.trainer.validation_data_dir) == run_dir.resolve() / "verl" / "validation"
     model_path = Path(config.actor_rollout_ref.model.path)
@@ -62,6 +64,35 @@ def test_validate_writes_verls_inputs_and_config_from_ours(tmp_path: Path) -> No
     assert entry["max_response_tokens"] == config.data.max_response_length and entry["eos_ids"]
 
 
+def test_old_log_probs_from_the_update_give_verls_actor_our_loss_and_the_runs_rollout_correction(
+    tmp_path: Path,
+) -> None:
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from backends.verl.config import ONE_STEP_LOSS
+
+    run_dir = tmp_path / "run"
+    args = [
+        *VERL,
+        *DATA,
+        "job=validate",
+        "backend.old_log_probs=from_update",
+        "algorithm.is_correction=sequence_truncate",
+    ]
+    result = launch([*args, "algorithm.is_cap=3.0", f"hydra.run.dir={run_dir}"], tmp_path / "c", tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    config = OmegaConf.load(run_dir / "verl_config.yaml")
+    assert config.algorithm.rollout_correction.bypass_mode is True  # verl's driver skips the recompute pass
+    # the actor's own copy of the correction, which verl's bypass mode does not pass to its workers
+    OmegaConf.resolve(config)
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # as verl's worker builds it
+    assert actor.policy_loss.loss_mode == ONE_STEP_LOSS
+    correction = actor.policy_loss.rollout_correction
+    assert (correction["rollout_is"], correction["rollout_is_threshold"]) == ("sequence", 3.0)
+    # exact only at one optimizer step a batch: generated, so no override can change it
+    assert (actor.ppo_epochs, config.actor_rollout_ref.actor.ppo_mini_batch_size) == (1, config.data.train_batch_size)
+
+
 OVERRIDES = "+backend.overrides.actor_rollout_ref.rollout"
 
 
@@ -71,6 +102,7 @@ OVERRIDES = "+backend.overrides.actor_rollout_ref.rollout"
         ("finetune=lora finetune.rank=7", "finetune.rank=7: vLLM serves LoRA ranks", False),
         ("algorithm.is_correction=token_mask", "algorithm.is_correction=token_mask", False),
         ("algorithm.time_budget_s=60", "algorithm.time_budget_s=60: backend=trl's", False),
+        ("backend.old_log_probs=never", "backend.old_log_probs must be one of recompute, from_update", False),
         # verl's own keys are checked against verl's config, once ours is derived (its paths name the inputs)
         (f"{OVERRIDES}.no_such_key=1", "actor_rollout_ref.rollout.no_such_key is not a key", True),
         (f"{OVERRIDES}.n=3", "backend.overrides.actor_rollout_ref.rollout.n is generated", True),
@@ -105,7 +137,7 @@ def test_a_warm_start_trains_before_ray_and_verl_starts_from_it_and_fit_false_st
     assert len(pd.read_parquet(config.data.train_files)) == 12
 
 
-def test_the_ray_worker_hook_imports_nothing_that_starts_cuda_and_hides_trl_from_verl_once_imported() -> None:
+def test_the_ray_worker_hook_imports_nothing_that_starts_cuda_and_patches_verl_once_imported() -> None:
     # a fresh interpreter, as a Ray worker process starts: the hook runs before Ray sets the actor's GPUs, so it may
     # not import torch or verl (their import starts CUDA with every GPU visible); verl imported later is patched
     script = (
@@ -119,11 +151,13 @@ def test_the_ray_worker_hook_imports_nothing_that_starts_cuda_and_hides_trl_from
         "print(is_trl_available())\n"
         "import verl.utils.torch_functional as F\n"
         "print(F.logprobs_from_logits_v2.__name__)\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+        "print(get_policy_loss_fn('one_step_truncated_is').__name__)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.split() == ["[]", "True", "False", "rowwise_logprobs"], done.stderr
+    assert done.stdout.split() == ["[]", "True", "False", "rowwise_logprobs", "one_step_truncated_is"], done.stderr
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,12 +1,7 @@
 """TRL's GRPOTrainer with the sampler's log-probs used: truncated importance sampling for the engine/trainer mismatch.
 
-The policy server's engine samples with its own arithmetic (bf16 decode kernels, CUDA graphs, fused weights) and the
-trainer scores the same tokens with the model's forward. TRL corrects that gap only when it runs vLLM itself
-(`vllm_importance_sampling_*`); here the rollout function brings the sampler's log-probs, so this subclass applies
-the same correction:
-
-    w = exp(log p_trainer - log p_sampler)  per model token (token_*), or the product over a sequence (sequence_*)
-    truncate: w = min(w, cap);  mask: w = 0 where w > cap
+TRL corrects the engine/trainer gap only when it runs vLLM itself (`vllm_importance_sampling_*`); here the rollout
+function brings the sampler's log-probs, so this subclass applies the same correction (`backends/importance.py`).
 
 The weight multiplies each token's policy-gradient term. It is folded into the advantages, which TRL accepts per
 token (shape (B, T)); since w >= 0, -min(r A w, clip(r) A w) = w * -min(r A, clip(r) A): the same as TRL's own
@@ -54,7 +49,6 @@ import shutil
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +59,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler, shuffle_sequence_dict, split_tensor_dict
 
 from backends.disk import DiskFull, check_before_save
+from backends.importance import ISStats, importance_weights
 from backends.trl.fsdp import shard_on_cpu
 from foundation.ranks import rank, world_size
 from foundation.run_dir import last_complete_checkpoint
@@ -72,60 +67,6 @@ from foundation.run_dir import last_complete_checkpoint
 log = logging.getLogger(__name__)
 
 CARRY_STATE = "carry_over.rank{rank}.json"  # a checkpoint's carry-over state, per rank (`write_carry_state`)
-
-
-@dataclass
-class ISStats:
-    """Sums over model tokens that the step's `sampling/*` metrics come from, added up over micro-batches."""
-
-    tokens: int = 0  # model tokens whose sampler log-prob is known
-    diff_sum: float = 0.0  # sum of |log p_trainer - log p_sampler|
-    diff_max: float = 0.0
-    ratio_sum: float = 0.0  # sum of the weights before truncation
-    over: int = 0  # tokens whose weight was over the cap
-
-    def __add__(self, other: ISStats) -> ISStats:
-        return ISStats(
-            self.tokens + other.tokens,
-            self.diff_sum + other.diff_sum,
-            max(self.diff_max, other.diff_max),
-            self.ratio_sum + other.ratio_sum,
-            self.over + other.over,
-        )
-
-    def metrics(self) -> dict[str, float]:
-        n = max(1, self.tokens)
-        return {
-            "sampling/logp_diff/mean": self.diff_sum / n,
-            "sampling/logp_diff/max": self.diff_max,
-            "sampling/is_ratio/mean": self.ratio_sum / n,
-            "sampling/is_ratio/clipped_frac": self.over / n,
-        }
-
-
-def importance_weights(
-    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
-) -> tuple[torch.Tensor, ISStats]:
-    """Per-token weights (B, T) for `mode` (see the module docstring), and their sums for the step's metrics. A token
-    whose sampler log-prob is unknown (NaN) counts as no difference (weight 1, as TRL treats them) and is left out of
-    the metrics. Each row's weights depend on that row alone."""
-    known = mask.bool() & ~torch.isnan(sampler_logps)
-    diff = torch.where(known, trainer_logps - sampler_logps, torch.zeros_like(trainer_logps))
-    if mode.startswith("sequence"):
-        ratio = torch.exp(diff.sum(dim=-1, keepdim=True).clamp(max=20.0)).expand_as(diff)
-    else:
-        ratio = torch.exp(diff.clamp(max=20.0))
-    over = ratio > cap
-    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(over, 0.0)
-    delta = diff.abs()[known]
-    stats = ISStats(
-        tokens=int(known.sum()),
-        diff_sum=float(delta.sum()),
-        diff_max=float(delta.max()) if delta.numel() else 0.0,
-        ratio_sum=float(ratio[known].sum()),
-        over=int(over[known].sum()),
-    )
-    return weights * mask, stats
 
 
 def by_length(batch: dict[str, Any]) -> dict[str, Any]:

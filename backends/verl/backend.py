@@ -3,6 +3,7 @@ on Ray, with our agents in its agent loop (`loop.py`). Its run code (`train.py`)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +11,8 @@ from omegaconf import OmegaConf
 
 from backends.protocol import Needs
 from backends.setup import TrainSetup
-from backends.verl.config import check_algorithm, check_shape
-from foundation.schema import number
+from backends.verl.config import OLD_LOG_PROBS, check_algorithm, check_shape
+from foundation.schema import number, one_of
 
 
 @dataclass
@@ -25,6 +26,7 @@ class VerlBackend:
     tensor_parallel_size: int = number(gt=0)  # each vLLM server's; divides gpus_per_node
     gpu_memory_utilization: float = number(gt=0, le=1)  # vLLM's share of each GPU while it generates
     gradient_checkpointing: bool
+    old_log_probs: str = one_of(dataclasses.MISSING, OLD_LOG_PROBS)  # recompute (verl's pass) or from_update (loss.py)
     param_offload: bool
     optimizer_offload: bool
     agent_workers: int = number(gt=0)  # verl's agent-loop worker processes (rollouts run as asyncio tasks in them)

@@ -54,10 +54,17 @@ def vectorized_logprobs(module: ModuleType) -> None:
     module.logprobs_from_logits_v2 = rowwise_logprobs
 
 
+def register_loss(module: ModuleType) -> None:
+    """`backend.old_log_probs=from_update`'s policy loss registered with verl's, in the actor's process
+    (`loss.py`)."""
+    import backends.verl.loss  # noqa: F401  (registers it)
+
+
 # each patched module: what is applied to it once it has run
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "verl.utils.import_utils": hide_trl,
     "verl.utils.torch_functional": vectorized_logprobs,
+    "verl.trainer.ppo.core_algos": register_loss,
 }
 # verl's modules that bind `is_trl_available` by name (`from verl.utils.import_utils import is_trl_available`)
 BINDERS = ("verl.utils.model", "verl.models.transformers.monkey_patch")

@@ -43,6 +43,10 @@ LOSS_AGG_MODES = {
 # The mask modes have no exact verl counterpart (verl's rollout_rs rejections also zero the mask, which
 # `grpo_fail_closed` would read as excluded rollouts): refused on backend=verl.
 ROLLOUT_IS = {"token_truncate": "token", "sequence_truncate": "sequence"}
+# backend.old_log_probs: verl recomputes the old policy's log-probs in a pass of their own (its decoupled mode), or
+# the update's forward gives them (bypass mode with our loss, `loss.py`: exact at one optimizer step a batch)
+OLD_LOG_PROBS = ("recompute", "from_update")
+ONE_STEP_LOSS = "one_step_truncated_is"  # the actor's policy_loss.loss_mode under from_update (`loss.py` registers it)
 
 
 @dataclass(frozen=True)
@@ -146,15 +150,25 @@ def check_shape(finetune: Full | LoRA, algo: GRPO, backend: Any) -> None:
         )
 
 
-def rollout_correction(algo: GRPO) -> dict[str, Any]:
-    """Truncated importance sampling with the sampler's log-probs (verl's decoupled mode: the old policy's
-    log-probs are recomputed, the IS weight is old/sampler, clipped at is_cap); none: verl computes only metrics."""
+def rollout_correction(algo: GRPO, backend: Any) -> dict[str, Any]:
+    """Truncated importance sampling with the sampler's log-probs: the IS weight is old/sampler, clipped at is_cap
+    (none: metrics only). The old policy's log-probs are recomputed (verl's decoupled mode), or the update's own
+    (`backend.old_log_probs=from_update`: verl's bypass mode, the weights computed in our loss)."""
     return {
         "rollout_is": ROLLOUT_IS.get(algo.is_correction),
         "rollout_is_threshold": algo.is_cap,
         "rollout_rs": None,
-        "bypass_mode": False,
+        "bypass_mode": backend.old_log_probs == "from_update",
     }
+
+
+def policy_loss(backend: Any) -> dict[str, Any]:
+    """The actor's policy loss: verl's default (PPO-clip, the IS weights from its driver), or under
+    `backend.old_log_probs=from_update` ours (`loss.py`), which reads the rollout correction from the actor's config
+    (`build_verl_config` points it at `algorithm.rollout_correction`)."""
+    if backend.old_log_probs == "recompute":
+        return {}
+    return {"policy_loss": {"loss_mode": ONE_STEP_LOSS}}
 
 
 def verl_overrides(
@@ -178,7 +192,7 @@ def verl_overrides(
         "algorithm": {
             "adv_estimator": FAIL_CLOSED_GRPO,
             "use_kl_in_reward": False,
-            "rollout_correction": rollout_correction(algo),
+            "rollout_correction": rollout_correction(algo, backend),
         },
         "critic": {"enable": False},
         "data": {
@@ -219,7 +233,8 @@ def verl_overrides(
                     "param_offload": backend.param_offload,
                     "optimizer_offload": backend.optimizer_offload,
                 },
-            },
+            }
+            | policy_loss(backend),
             "rollout": {
                 "name": "vllm",
                 "mode": "async",
@@ -290,6 +305,8 @@ def build_verl_config(
             raise ConfigError(f"{source}{key} is not a key of verl's trainer config") from exc
     with open_dict(cfg):  # keys verl's defaults leave empty ({}), which a struct merge cannot fill
         cfg.actor_rollout_ref.model.override_config.attn_implementation = model.attn_implementation
+        if backend.old_log_probs == "from_update":  # verl's actor has its own copy, which its yaml leaves out
+            cfg.actor_rollout_ref.actor.policy_loss.rollout_correction = "${algorithm.rollout_correction}"
         # every Ray process of the run, also on a cluster started elsewhere (RAY_ADDRESS)
         cfg.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook = "backends.verl.compat.worker_setup"
         cfg.ray_kwargs.ray_init.runtime_env.env_vars = {

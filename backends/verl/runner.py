@@ -29,6 +29,7 @@ from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler, need_cr
 
 import backends.verl.loop  # noqa: F401  (registers grpo_fail_closed in this process)
 from backends.samples import EXCLUSION_REASONS
+from backends.verl.loss import sampling_metrics
 
 
 def step_metrics(batch: Any) -> dict[str, float]:
@@ -73,7 +74,8 @@ rollout_corr_helper.compute_rollout_correction_and_add_to_batch = rollout_correc
 
 
 class FailClosedTrainer(RayPPOTrainer):
-    """verl's PPO trainer, logging `step_metrics` with each actor update and skipping the update of a step where
+    """verl's PPO trainer, logging `step_metrics` with each actor update (and, under
+    `backend.old_log_probs=from_update`, the loss's `sampling/*` metrics) and skipping the update of a step where
     nothing trains."""
 
     def _update_actor(self, batch: Any) -> Any:
@@ -82,7 +84,8 @@ class FailClosedTrainer(RayPPOTrainer):
         if skip:  # no token, no loss: verl's mean over zero tokens would be 0/0
             return DataProto.from_single_dict(data={}, meta_info={"metrics": ours})
         output = super()._update_actor(batch)
-        output.meta_info["metrics"].update(ours)
+        metrics = output.meta_info["metrics"]
+        metrics.update(ours | sampling_metrics(metrics))
         return output
 
 
