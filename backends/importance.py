@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+# |log w| is clamped here before exp (verl's SAFETY_BOUND: its decoupled mode gives the same weights)
+LOG_BOUND = 20.0
+
 
 @dataclass
 class ISStats:
@@ -56,9 +59,9 @@ def importance_weights(
     known = mask.bool() & ~torch.isnan(sampler_logps)
     diff = torch.where(known, trainer_logps - sampler_logps, torch.zeros_like(trainer_logps))
     if mode.startswith("sequence"):
-        ratio = torch.exp(diff.sum(dim=-1, keepdim=True).clamp(max=20.0)).expand_as(diff)
+        ratio = torch.exp(diff.sum(dim=-1, keepdim=True).clamp(-LOG_BOUND, LOG_BOUND)).expand_as(diff)
     else:
-        ratio = torch.exp(diff.clamp(max=20.0))
+        ratio = torch.exp(diff.clamp(-LOG_BOUND, LOG_BOUND))
     over = ratio > cap
     weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(over, 0.0)
     delta = diff.abs()[known]

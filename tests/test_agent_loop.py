@@ -332,9 +332,12 @@ def test_a_trained_steps_log_has_the_from_update_losss_sampling_metrics(
     batch = two_turn_batch(tmp_path, ["r0", "r1"], ["A", "A"])
     batch.batch["token_level_scores"] = batch.batch["rm_scores"]
     sums = {"tokens": [10.0, 30.0], "diff": [1.0, 1.0], "ratio": [10.0, 30.5], "over": [0.0, 2.0]}  # 2 micro-batches
-    verls = {f"actor/is_sums/{key}": Metric("mean") for key in sums}  # one rank's, as verl's actor returns them
+    # as verl's actor returns them: each key's mean over ranks and micro-batches, a value a mini-batch
+    verls = {}
     for key, values in sums.items():
-        verls[f"actor/is_sums/{key}"].extend(values)
+        one_rank = Metric("mean")
+        one_rank.extend(values)
+        verls[f"actor/is_sums/{key}"] = [Metric.aggregate_dp([one_rank])]
     monkeypatch.setattr(
         RayPPOTrainer, "_update_actor", lambda self, b: DataProto.from_single_dict({}, meta_info={"metrics": verls})
     )

@@ -106,6 +106,12 @@ OVERRIDES = "+backend.overrides.actor_rollout_ref.rollout"
         # verl's own keys are checked against verl's config, once ours is derived (its paths name the inputs)
         (f"{OVERRIDES}.no_such_key=1", "actor_rollout_ref.rollout.no_such_key is not a key", True),
         (f"{OVERRIDES}.n=3", "backend.overrides.actor_rollout_ref.rollout.n is generated", True),
+        (  # from_update's loss does not normalize the IS weights: asking for it is refused, not ignored
+            "backend.old_log_probs=from_update +backend.overrides.algorithm.rollout_correction."
+            "rollout_is_batch_normalize=true",
+            "backend.overrides.algorithm.rollout_correction.rollout_is_batch_normalize is generated",
+            True,
+        ),
     ],
 )
 def test_a_bad_key_is_named(override: str, named: str, inputs_written: bool, tmp_path: Path) -> None:

@@ -41,7 +41,8 @@ def actor_config(rollout_is: str | None, rows: int, tokens: int, loss_mode: str 
 
 def batch(seed: int = 0) -> dict[str, torch.Tensor]:
     """4 rollouts of 6 response tokens: the first with 2 tool tokens, the third excluded (fail closed: no token);
-    the sampler's log-probs off the trainer's by enough that some IS weights pass the cap."""
+    the sampler's log-probs off the trainer's by enough that some IS weights pass the cap, and far enough on the second
+    that its sequence weight is e^-20."""
     generator = torch.Generator().manual_seed(seed)
     log_prob = -torch.rand(4, 6, generator=generator) * 3
     mask = torch.ones(4, 6, dtype=torch.bool)
@@ -49,6 +50,7 @@ def batch(seed: int = 0) -> dict[str, torch.Tensor]:
     mask[2] = False
     sampler = log_prob + 0.5 * torch.randn(4, 6, generator=generator)
     sampler[3] -= 0.6  # the last rollout's sequence weight over the cap
+    log_prob[1] -= 4.0  # the second's sequence log-ratio under -20, where both clamp it before exp
     return {
         "log_prob": log_prob,
         "sampler": sampler,
@@ -133,10 +135,9 @@ def test_the_sampling_metrics_are_over_tokens_as_verl_aggregates_the_losss_sums(
             )
             append_to_dict(gathered, Metric.from_dict(metrics, aggregation="mean"))  # verl's ppo_loss, then its engine
         per_rank.append(gathered)
-    if ranks == 1:
-        actor = rename_dict(per_rank[0], "actor/")  # a Metric of micro-batches a key
-    else:  # gathered over ranks, then each key reduced over ranks to one value a mini-batch
-        actor = rename_dict({key: [Metric.aggregate_dp([r[key] for r in per_rank])] for key in per_rank[0]}, "actor/")
+    # gathered over the data-parallel group (one rank's too: FSDP's group is the world), each key reduced over ranks
+    # and micro-batches to one value a mini-batch (one here), then named by verl's driver
+    actor = rename_dict({key: [Metric.aggregate_dp([r[key] for r in per_rank])] for key in per_rank[0]}, "actor/")
     actor["actor/pg_loss"] = [0.0]
     ours = sampling_metrics(actor)
     assert set(actor) == {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}

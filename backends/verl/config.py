@@ -154,12 +154,15 @@ def rollout_correction(algo: GRPO, backend: Any) -> dict[str, Any]:
     """Truncated importance sampling with the sampler's log-probs: the IS weight is old/sampler, clipped at is_cap
     (none: metrics only). The old policy's log-probs are recomputed (verl's decoupled mode), or the update's own
     (`backend.old_log_probs=from_update`: verl's bypass mode, the weights computed in our loss)."""
-    return {
+    ours = {
         "rollout_is": ROLLOUT_IS.get(algo.is_correction),
         "rollout_is_threshold": algo.is_cap,
         "rollout_rs": None,
         "bypass_mode": backend.old_log_probs == "from_update",
     }
+    if backend.old_log_probs == "from_update":  # what our loss does not read, pinned so that no override asks for it
+        ours |= {"rollout_is_batch_normalize": False, "loss_type": "ppo_clip"}
+    return ours
 
 
 def policy_loss(backend: Any) -> dict[str, Any]:

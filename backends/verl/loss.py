@@ -4,7 +4,9 @@ does, instead of a forward pass over the whole batch before the update (verl's d
 Exact here: our verl config makes one optimizer step a batch (`ppo_epochs` 1, the mini-batch the whole batch), so the
 weights the update's forward runs with are the old policy's. The old policy's log-probs are then the forward's own,
 detached: the PPO ratio is 1 with its gradient, and the truncated IS weight is old / sampler (`backends/importance.py`)
-as in decoupled mode, without the pass that recomputes them (4.9 of 31.3 s a step, 2 x H200, `docs/verl.md`).
+as in decoupled mode, without the pass that recomputes them (that pass took 4.9 of 31.3 s a step, 2 x H200,
+`docs/verl.md`). Decoupled mode's ratio is 1 only up to the numerical noise between that pass (no grad, its own
+micro-batches) and the update's forward; here it is 1.
 
 verl's side: `algorithm.rollout_correction.bypass_mode=true` makes its trainer skip that pass and its own IS weights,
 and put the sampler's log-probs (`rollout_log_probs`) where the old policy's go (`apply_bypass_mode`); the actor's
@@ -66,8 +68,8 @@ def one_step_truncated_is(
 
 def sampling_metrics(actor_metrics: dict[str, Any]) -> dict[str, float]:
     """backend=trl's `sampling/*` metrics from the loss's sums in verl's actor metrics (popped from them). Each sum
-    arrives as verl leaves it (a `Metric` of its micro-batches on one rank, a list of values on several) and is
-    reduced as verl's driver reduces it, to its mean over micro-batches and ranks; every sum has that divisor, so
+    arrives as its mean over ranks and micro-batches (verl's `Metric.aggregate_dp`; every rank has as many
+    micro-batches), a value a mini-batch, and is reduced as verl's driver reduces it; every sum has that divisor, so
     their ratios are over tokens. Empty where the loss did not run (decoupled mode, or a step that trained
     nothing)."""
     prefix = f"actor/{SUMS}"
