@@ -18,8 +18,9 @@ from jobs.sweep import submitted_jobs
 from tests.conftest import launch
 from tests.local_slurm import local_cluster
 
-# One xdist worker for the tests that start Ray: two Ray clusters started at once on one machine could find each other.
-pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.xdist_group("ray")]
+# The worker of every SLURM test: the machine has one cluster, which a second worker would wait for, idle, on its lock
+# (258 s of one run); one worker also keeps two Ray clusters, which could find each other, from starting at once.
+pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.xdist_group("slurm")]
 
 # Each job: 2 nodes of 1 CPU, no GPU (this machine's cluster has none).
 SLURM_2_NODES = [
