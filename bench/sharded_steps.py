@@ -37,6 +37,12 @@ results committed before.
         --extra [the 7B line's] algorithm.keep_checkpoints=1 --out ...           # 7B full: save, then resume a step
     python bench/sharded_steps.py --shape qwen25_1_5b --steps 3 --variants verlx1 plain --extra finetune=full \
         algorithm.test_at_end=false --trl-extra backend.memory_check=false --out ...        # verl beside trl, 1 GPU
+    python bench/sharded_steps.py --shape qwen25_1_5b --steps 5 --variants fsdp2x1 fsdp2x4:64 --out X  # 4 GPUs
+    python bench/sharded_steps.py --shape qwen25_1_5b --steps 5 --variants fsdp2x4 --append --out X    # next call
+
+`--append` adds a call's rows to the `--out` file an earlier call wrote on the same machine (one device call runs at
+most 10 minutes), refusing a different workload. `scaling` in the file sets each N-GPU row against its backend's
+`fsdp2x1` / `verlx1` row: the rollouts/s speedup, weak where it ran N times the tasks, strong where as many.
 
 Timings are medians over the steps after the first (which compiles and captures the engine's graphs), validation left
 out; each step's own time is in `step_s_each`. A run that fails after some steps (its final save, say) keeps them in
@@ -245,6 +251,51 @@ def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: 
     }
 
 
+def gpus_of(variant: str) -> int | None:
+    """N of `fsdp2xN` / `verlxN` (None for `plain`, which is not the sharded path)."""
+    kind = variant.partition(":")[0]
+    for prefix in ("fsdp2x", "verlx"):
+        if kind.startswith(prefix) and kind.removeprefix(prefix).isdigit():
+            return int(kind.removeprefix(prefix))
+    return None
+
+
+def scaling(rows: list[dict[str, Any]], extra: list[str]) -> list[dict[str, Any]]:
+    """Each finished N-GPU row against its backend's one-GPU row (`fsdp2x1`, `verlx1`: the same code path) at T0
+    tasks a step: rollouts/s speedup, weak where it ran N x T0 tasks (each GPU the one GPU's load), strong where
+    T0."""
+    done = [r for r in rows if "failed" not in r and gpus_of(r["variant"])]
+    out = []
+    for row in done:
+        family = row["variant"].partition(":")[0].rstrip("0123456789")  # fsdp2x, verlx
+        bases = [r for r in done if r["variant"].partition(":")[0] == f"{family}1"]
+        n = gpus_of(row["variant"])
+        if not bases or n == 1:
+            continue
+        base = bases[0]
+        tasks, base_tasks = tasks_of(row["variant"], extra), tasks_of(base["variant"], extra)
+        kind = "weak" if tasks == n * base_tasks else "strong" if tasks == base_tasks else "other"
+        out.append(
+            {
+                "variant": row["variant"],
+                "baseline": base["variant"],
+                "gpus": n,
+                "scaling": kind,
+                "speedup": row["rollouts_per_s"] / base["rollouts_per_s"],
+            }
+        )
+    return out
+
+
+def appended(report: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """`earlier` (an earlier call's --out) going on with this call's rows: the same workload on the same machine,
+    else an error naming what differs. Each later call's command is kept beside the first's."""
+    for key in ("shape", "extra", "recipe", "gpus", "device"):
+        if earlier.get(key) != report[key]:
+            raise ValueError(f"--append: {key} is {report[key]!r} here, {earlier.get(key)!r} in the file")
+    return earlier | {"appended_commands": [*earlier.get("appended_commands", []), report["command"]]}
+
+
 def _version(dist: str) -> str | None:
     from importlib import metadata
 
@@ -265,6 +316,7 @@ def main() -> None:
     parser.add_argument("--extra", nargs="*", default=[], help="more launch.py overrides, for every variant")
     parser.add_argument("--resume-steps", type=int, default=0, help="start each finished run again: K more steps")
     parser.add_argument("--resume-only", action="store_true", help="only the second starts of --out's finished rows")
+    parser.add_argument("--append", action="store_true", help="add this call's rows to --out's (a later device call)")
     parser.add_argument("--trl-extra", nargs="*", default=[], help="overrides for the backend=trl variants only")
     parser.add_argument("--verl-extra", nargs="*", default=[], help="overrides for the backend=verl variants only")
     args = parser.parse_args()
@@ -319,12 +371,22 @@ def main() -> None:
             if "failed" not in row and row["variant"] in args.variants:
                 resume(row)
         return
+    report_command = report["command"]  # this call's, kept in each of its rows
+    if args.append:  # the rows of earlier calls (the machine's time limit a call) go on in one file
+        if not (args.out and args.out.is_file()):
+            parser.error("--append needs the --out file an earlier call wrote")
+        try:
+            report = appended(report, json.loads(args.out.read_text()))
+        except ValueError as exc:
+            parser.error(str(exc))
+        rows = report["rows"]
     # written after every variant, so a bench stopped by its time limit keeps the variants it finished
     for variant in args.variants:
-        row = run_variant(variant, args, args.work)
+        row = run_variant(variant, args, args.work) | {"command": report_command}
         rows.append(row)
         if "failed" not in row and "failed" not in rows[0]:
             row["throughput_vs_first"] = row["rollouts_per_s"] / rows[0]["rollouts_per_s"]
+        report["scaling"] = scaling(rows, args.extra)
         print(json.dumps(row))
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))

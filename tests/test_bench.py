@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_wheels
-from sharded_steps import RECIPE_TASKS, row, tasks_of
+from sharded_steps import RECIPE_TASKS, appended, row, scaling, tasks_of
 
 
 def test_a_variant_s_tasks_come_from_its_suffix_else_extra_else_the_recipe() -> None:
@@ -49,6 +49,37 @@ def test_a_run_that_failed_after_its_steps_keeps_them_beside_the_failure(tmp_pat
     assert failed["model_tokens_per_s"] == 100.0 * 64 * 0.75 / 21.0  # the excluded rollouts' tokens not counted
     assert [m["gpu_memory/peak_gb"] for m in failed["gpu_memory_by_step"]] == [60.0, 70.0, 71.0]
     assert failed["is_ratio_by_step"] == [{"sampling/is_ratio/mean": 1.0 + n / 1000} for n in (1, 2, 3)]
+
+
+def test_scaling_sets_each_n_gpu_row_against_its_backends_one_gpu_row() -> None:
+    rows = [
+        {"variant": "fsdp2x1", "rollouts_per_s": 2.0},
+        {"variant": "plain", "rollouts_per_s": 3.0},  # not the sharded path: no baseline, no entry
+        {"variant": "fsdp2x4:64", "rollouts_per_s": 7.4},
+        {"variant": "fsdp2x4", "rollouts_per_s": 5.0},
+        {"variant": "verlx4:64", "rollouts_per_s": 4.0},  # verl's own one-GPU row is not there yet
+        {"variant": "fsdp2x2:48", "rollouts_per_s": 3.0},
+        {"variant": "fsdp2x2:32", "failed": "exit 1"},
+    ]
+    got = {e["variant"]: (e["baseline"], e["gpus"], e["scaling"], e["speedup"]) for e in scaling(rows, [])}
+    assert got == {
+        "fsdp2x4:64": ("fsdp2x1", 4, "weak", 3.7),
+        "fsdp2x4": ("fsdp2x1", 4, "strong", 2.5),
+        "fsdp2x2:48": ("fsdp2x1", 2, "other", 1.5),
+    }
+    rows.append({"variant": "verlx1:16", "rollouts_per_s": 1.0})
+    assert {e["variant"]: e["scaling"] for e in scaling(rows, [])}["verlx4:64"] == "weak"
+
+
+def test_a_later_call_appends_only_to_the_same_workload_on_the_same_machine() -> None:
+    first = {"command": "a", "shape": "qwen25_1_5b", "extra": [], "recipe": ["r"], "gpus": 4, "device": "H100"}
+    first["rows"] = [{"variant": "fsdp2x1"}]
+    later = {key: value for key, value in first.items() if key != "rows"} | {"command": "b"}
+    both = appended(later | {"command": "c"}, appended(later, first))
+    assert both["rows"] == [{"variant": "fsdp2x1"}] and both["command"] == "a"
+    assert both["appended_commands"] == ["b", "c"]
+    with pytest.raises(ValueError, match="--append: gpus is 2 here, 4 in the file"):
+        appended(later | {"gpus": 2}, first)
 
 
 def test_a_run_that_failed_before_any_step_is_only_its_failure(tmp_path: Path) -> None:
