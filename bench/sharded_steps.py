@@ -108,6 +108,15 @@ def tasks_of(variant: str, extra: list[str]) -> int:
     return int(tasks) if tasks else setting(extra, "algorithm.tasks_per_step", RECIPE_TASKS)
 
 
+def gpus_of(variant: str) -> int | None:
+    """N of `fsdp2xN` / `verlxN` (None for `plain`, which is not the sharded path)."""
+    kind = variant.partition(":")[0]
+    for prefix in ("fsdp2x", "verlx"):
+        if kind.startswith(prefix) and kind.removeprefix(prefix).isdigit():
+            return int(kind.removeprefix(prefix))
+    return None
+
+
 def variant_command(variant: str, args: argparse.Namespace, run_dir: Path, steps: int) -> list[str]:
     shape = [f"model.{k}={v}" for k, v in SHAPES[args.shape].items()]
     shape += [f"model.num_key_value_heads={KV_HEADS[args.shape]}", *EMBEDDINGS.get(args.shape, [])]
@@ -116,12 +125,11 @@ def variant_command(variant: str, args: argparse.Namespace, run_dir: Path, steps
     launch = [sys.executable, str(ROOT / "launch.py"), *common, f"hydra.run.dir={run_dir}"]
     kind = variant.partition(":")[0]
     if kind.startswith("verlx"):  # verl places its workers itself (Ray), on resources.gpus_per_node GPUs
-        gpus = kind.removeprefix("verlx")
-        return [*launch, "backend=verl", f"resources.gpus_per_node={gpus}", *args.verl_extra]
+        return [*launch, "backend=verl", f"resources.gpus_per_node={gpus_of(variant)}", *args.verl_extra]
     launch += [f"backend.device={args.device}", *args.trl_extra]
     if kind == "plain":
         return launch
-    ranks = int(kind.removeprefix("fsdp2x"))
+    ranks = gpus_of(variant)
     if ranks > 1:
         return [*launch, f"resources.gpus_per_node={ranks}", "backend.sharding=fsdp2"]
     # one rank, as jobs/ranks.py starts each (a run of N > 1 processes starts them itself)
@@ -251,15 +259,6 @@ def row(variant: str, run_dir: Path, one_rank: bool, returncode: int, rollouts: 
     }
 
 
-def gpus_of(variant: str) -> int | None:
-    """N of `fsdp2xN` / `verlxN` (None for `plain`, which is not the sharded path)."""
-    kind = variant.partition(":")[0]
-    for prefix in ("fsdp2x", "verlx"):
-        if kind.startswith(prefix) and kind.removeprefix(prefix).isdigit():
-            return int(kind.removeprefix(prefix))
-    return None
-
-
 def scaling(rows: list[dict[str, Any]], extra: list[str]) -> list[dict[str, Any]]:
     """Each finished N-GPU row against its backend's one-GPU row (`fsdp2x1`, `verlx1`: the same code path) at T0
     tasks a step: rollouts/s speedup, weak where it ran N x T0 tasks (each GPU the one GPU's load), strong where
@@ -322,8 +321,7 @@ def main() -> None:
     args = parser.parse_args()
     for variant in args.variants:
         kind, _, tasks = variant.partition(":")
-        sharded = any(kind.startswith(p) and kind.removeprefix(p).isdigit() for p in ("fsdp2x", "verlx"))
-        if not (kind == "plain" or sharded):
+        if not (kind == "plain" or gpus_of(variant)):
             parser.error(f"unknown variant {variant!r}: plain, fsdp2xN or verlxN, each with :T for T tasks a step")
         if tasks and not tasks.isdigit():
             parser.error(f"unknown variant {variant!r}: T in VARIANT:T is a number of tasks")
